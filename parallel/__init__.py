@@ -1,0 +1,16 @@
+"""Spatial x data parallel training of 3D CNNs.
+
+>>> grid = parallel.init(spatial=(2, 1, 1))        # from torchrun, mpirun, srun or python
+>>> pmodel = parallel.parallelize(model, grid)      # the serial model's parallel form
+>>> y = pmodel(parallel.scatter(x, grid))           # this rank's block in, its block out
+"""
+
+from parallel.comm import all_reduce_sum, replicated_grad, spatial_sum
+from parallel.grid import Grid
+from parallel.launch import destroy, init
+from parallel.partition import SplitError, block_bounds
+
+__all__ = [
+    "Grid", "SplitError", "all_reduce_sum", "block_bounds", "destroy", "init",
+    "replicated_grad", "spatial_sum",
+]

@@ -1,0 +1,138 @@
+"""Start torch.distributed from whatever launched this process, with no flags.
+
+Recognised, in this order:
+
+- already initialised (a caller set up the process group itself);
+- ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``);
+- ``mpirun``/``mpiexec`` (MPICH, Open MPI, or srun with PMI/PMIx): rank and size from
+  mpi4py; rank 0 picks a free port and broadcasts ``host:port``;
+- ``srun`` without MPI (``SLURM_PROCID``, ``SLURM_NTASKS``): the first host of
+  ``SLURM_JOB_NODELIST`` and a port derived from ``SLURM_JOB_ID`` (``MASTER_PORT`` wins);
+- plain ``python``: a world of one.
+
+NCCL when CUDA is present, gloo otherwise; one device per local rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+from datetime import timedelta
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from parallel.grid import Grid
+
+log = logging.getLogger("parallel")
+
+_MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_SIZE")
+_MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
+_LOCAL_RANK_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def detect_launcher(env: dict[str, str] | None = None) -> str:
+    """``torchrun``, ``mpi``, ``slurm`` or ``single``, from the environment alone."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:
+        return "torchrun"
+    if any(v in env for v in _MPI_RANK_VARS) or "OMPI_COMM_WORLD_SIZE" in env:
+        return "mpi"
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        return "slurm"
+    return "single"
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first hostname of a Slurm node list such as ``gpu[012-015,020],cpu7``."""
+    m = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
+    if not m:
+        raise ValueError(f"cannot read SLURM_JOB_NODELIST={nodelist!r}")
+    prefix, _, ranges = m.groups()
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def _mpi_rendezvous() -> tuple[int, int, int, str]:
+    """Rank, size, local rank and ``tcp://host:port`` from MPI (no pickle: raw bytes)."""
+    import numpy as np
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    local_rank = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+    buf = np.zeros(256, dtype=np.uint8)
+    if rank == 0:
+        host = os.environ.get("MASTER_ADDR") or socket.gethostname()
+        port = int(os.environ.get("MASTER_PORT") or free_port())
+        raw = f"{host}:{port}".encode()
+        buf[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    comm.Bcast(buf, root=0)
+    address = bytes(buf[buf != 0]).decode()
+    return rank, size, local_rank, f"tcp://{address}"
+
+
+def _env_int(names: Sequence[str], default: int = 0) -> int:
+    for name in names:
+        if name in os.environ:
+            return int(os.environ[name])
+    return default
+
+
+def init(spatial: Sequence[int] = (1, 1, 1), *, backend: str | None = None,
+         timeout_s: float = 600.0) -> Grid:
+    """Start torch.distributed for this process and return its ``Grid``.
+
+    ``spatial`` splits each sample's D, H and W; the data axis takes
+    ``world / (sd * sh * sw)`` ranks. ``timeout_s`` bounds every collective, so a dead
+    peer ends the job instead of hanging it.
+    """
+    launcher = "external" if dist.is_initialized() else detect_launcher()
+    local_rank = _env_int(_LOCAL_RANK_VARS)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    timeout = timedelta(seconds=timeout_s)
+
+    if launcher == "torchrun":
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    elif launcher == "mpi":
+        rank, size, local_rank, address = _mpi_rendezvous()
+        if device.type == "cuda":
+            device = torch.device("cuda", local_rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, init_method=address, rank=rank, world_size=size, timeout=timeout)
+    elif launcher == "slurm":
+        host = os.environ.get("MASTER_ADDR") or first_slurm_host(os.environ["SLURM_JOB_NODELIST"])
+        port = int(os.environ.get("MASTER_PORT") or 20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000)
+        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}",
+                                rank=int(os.environ["SLURM_PROCID"]),
+                                world_size=int(os.environ["SLURM_NTASKS"]), timeout=timeout)
+    elif launcher == "single":
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port('127.0.0.1')}",
+                                rank=0, world_size=1, timeout=timeout)
+
+    grid = Grid.from_world(spatial, device=device, local_rank=local_rank, launcher=launcher)
+    log.info("%s, backend %s", grid.describe(), backend)
+    return grid
+
+
+def destroy() -> None:
+    """Tear down the process group (safe to call when none is running)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
