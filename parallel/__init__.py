@@ -8,9 +8,11 @@
 from parallel.comm import all_reduce_sum, replicated_grad, spatial_sum
 from parallel.grid import Grid
 from parallel.launch import destroy, init
+from parallel.parallelize import ParallelModule, parallelize
 from parallel.partition import SplitError, block_bounds
+from parallel.scatter import gather, scatter
 
 __all__ = [
-    "Grid", "SplitError", "all_reduce_sum", "block_bounds", "destroy", "init",
-    "replicated_grad", "spatial_sum",
+    "Grid", "ParallelModule", "SplitError", "all_reduce_sum", "block_bounds", "destroy", "gather",
+    "init", "parallelize", "replicated_grad", "scatter", "spatial_sum",
 ]

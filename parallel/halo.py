@@ -1,0 +1,174 @@
+"""Halo exchange along one tensor dim, as an autograd function with an exact adjoint.
+
+A layer asks for a *window* ``[lo, hi)`` of the global dim: the part of the input its
+output block needs. The window may reach into neighbouring blocks (a halo), stop short
+of its own block's ends (a trim, at strided layers on uneven splits), or leave the
+volume (filled with a constant, or wrapped around for periodic boxes). Every rank knows
+every rank's window, so each can work out what to send and what to expect without
+asking: one batched isend/irecv per peer.
+
+The backward is the adjoint: gradients of the halo travel back to their owners and are
+added there. The same plan run the other way (``reduce``) sums overlapping partial
+outputs into their owners, which is what a transposed convolution needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Sequence
+
+import torch
+import torch.distributed as dist
+
+from parallel.partition import block_bounds, window_segments
+
+
+@dataclass(frozen=True)
+class ExchangePlan:
+    """What this rank copies, sends, receives and fills along one dim.
+
+    Lengths and offsets are along the dim; ``in_len`` is the length of the tensor the
+    rank owns, ``out_len`` that of its window.
+    """
+
+    in_len: int
+    out_len: int
+    copies: tuple[tuple[int, int, int], ...]                      # (src, dst, length)
+    fills: tuple[tuple[int, int], ...]                            # (dst, length)
+    recvs: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]    # (peer, ((dst, length), ...))
+    sends: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]    # (peer, ((src, length), ...))
+
+    @property
+    def is_local(self) -> bool:
+        return not self.recvs and not self.sends
+
+
+def make_plan(
+    n: int,
+    line: Sequence[int],
+    position: int,
+    windows: Sequence[tuple[int, int]],
+    mode: Literal["constant", "circular"] = "constant",
+) -> ExchangePlan:
+    """Plan the exchange for the rank at ``position`` of ``line`` (global ranks).
+
+    ``n`` is the global size of the dim whose blocks the ranks own, ``windows[j]`` the
+    global ``[lo, hi)`` that position ``j`` wants.
+    """
+    parts = len(line)
+    bounds = block_bounds(n, parts)
+    copies, fills, recvs = [], [], {}
+    lo, hi = windows[position]
+    for seg in window_segments(lo, hi, n, parts, mode):
+        if seg.owner is None:
+            fills.append((seg.dst, seg.length))
+        elif seg.owner == position:
+            copies.append((seg.src, seg.dst, seg.length))
+        else:
+            recvs.setdefault(line[seg.owner], []).append((seg.dst, seg.length))
+    sends = {}
+    for j, (lo_j, hi_j) in enumerate(windows):
+        if j == position:
+            continue
+        for seg in window_segments(lo_j, hi_j, n, parts, mode):
+            if seg.owner == position:
+                sends.setdefault(line[j], []).append((seg.src, seg.length))
+    start, stop = bounds[position]
+    return ExchangePlan(
+        in_len=stop - start,
+        out_len=hi - lo,
+        copies=tuple(copies),
+        fills=tuple(fills),
+        recvs=tuple((p, tuple(s)) for p, s in sorted(recvs.items())),
+        sends=tuple((p, tuple(s)) for p, s in sorted(sends.items())),
+    )
+
+
+def _resized(x: torch.Tensor, dim: int, length: int) -> list[int]:
+    shape = list(x.shape)
+    shape[dim] = length
+    return shape
+
+
+def _communicate(x: torch.Tensor, dim: int,
+                 outgoing: Sequence[tuple[int, Sequence[tuple[int, int]]]],
+                 incoming: Sequence[tuple[int, Sequence[tuple[int, int]]]]) -> list[tuple[torch.Tensor, Sequence[tuple[int, int]]]]:
+    """Send the ``(start, length)`` pieces of ``x`` to each outgoing peer (one message
+    per peer) and receive one message per incoming peer; returns the received buffers."""
+    ops, received = [], []
+    for peer, pieces in outgoing:
+        buf = torch.cat([x.narrow(dim, s, n) for s, n in pieces], dim=dim).contiguous()
+        ops.append(dist.P2POp(dist.isend, buf, peer))
+    for peer, pieces in incoming:
+        buf = x.new_empty(_resized(x, dim, sum(n for _, n in pieces)))
+        ops.append(dist.P2POp(dist.irecv, buf, peer))
+        received.append((buf, pieces))
+    if ops:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+    return received
+
+
+def _fetch(x: torch.Tensor, dim: int, plan: ExchangePlan, fill: float) -> torch.Tensor:
+    if x.shape[dim] != plan.in_len:
+        raise RuntimeError(f"halo exchange expected a block of {plan.in_len} along dim {dim}, got {x.shape[dim]}")
+    y = x.new_empty(_resized(x, dim, plan.out_len))
+    for dst, n in plan.fills:
+        y.narrow(dim, dst, n).fill_(fill)
+    for src, dst, n in plan.copies:
+        y.narrow(dim, dst, n).copy_(x.narrow(dim, src, n))
+    for buf, pieces in _communicate(x, dim, plan.sends, plan.recvs):
+        offset = 0
+        for dst, n in pieces:
+            y.narrow(dim, dst, n).copy_(buf.narrow(dim, offset, n))
+            offset += n
+    return y
+
+
+def _reduce(y: torch.Tensor, dim: int, plan: ExchangePlan) -> torch.Tensor:
+    """The adjoint of ``_fetch``: window values are summed into their owners."""
+    if y.shape[dim] != plan.out_len:
+        raise RuntimeError(f"halo reduction expected a window of {plan.out_len} along dim {dim}, got {y.shape[dim]}")
+    x = y.new_zeros(_resized(y, dim, plan.in_len))
+    for src, dst, n in plan.copies:
+        x.narrow(dim, src, n).add_(y.narrow(dim, dst, n))
+    for buf, pieces in _communicate(y, dim, plan.recvs, plan.sends):
+        offset = 0
+        for src, n in pieces:
+            x.narrow(dim, src, n).add_(buf.narrow(dim, offset, n))
+            offset += n
+    return x
+
+
+class _Fetch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, plan: ExchangePlan, fill: float) -> torch.Tensor:
+        ctx.dim, ctx.plan = dim, plan
+        return _fetch(x, dim, plan, fill)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _reduce(grad.contiguous(), ctx.dim, ctx.plan), None, None, None
+
+
+class _Reduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, dim: int, plan: ExchangePlan) -> torch.Tensor:
+        ctx.dim, ctx.plan = dim, plan
+        return _reduce(y, dim, plan)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _fetch(grad.contiguous(), ctx.dim, ctx.plan, 0.0), None, None
+
+
+def fetch(x: torch.Tensor, dim: int, plan: ExchangePlan, fill: float = 0.0) -> torch.Tensor:
+    """This rank's window along ``dim``: its block plus halos (or trimmed), padded with
+    ``fill`` outside the volume. Differentiable; the backward is the exact adjoint."""
+    return _Fetch.apply(x, dim, plan, fill)
+
+
+def reduce(y: torch.Tensor, dim: int, plan: ExchangePlan) -> torch.Tensor:
+    """Sum every rank's window values into the owners' blocks (the adjoint of ``fetch``;
+    out-of-volume values are dropped). Differentiable; the backward is ``fetch``."""
+    return _Reduce.apply(y, dim, plan)

@@ -1,0 +1,42 @@
+"""Flatten followed by Linear, without gathering the activations.
+
+The serial ``Linear(Flatten(x))`` multiplies the whole flattened volume by the weight.
+Each rank multiplies its block by the matching slice of the weight (viewed as
+(out, C, D, H, W)); one all-reduce over the spatial group sums the partial products. The
+result is replicated on every rank of the group. The weight stays whole (the serial
+parameter, so ``state_dict`` keys and the optimiser are unchanged); each rank's gradient
+is non-zero only in its slice, and the gradient sync's spatial sum assembles it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallel.comm import all_reduce_sum
+from parallel.layers.base import SpatialMixin
+
+
+class SpatialFlatten(SpatialMixin, nn.Flatten):
+    """Passes the 5-D block through: the following ``SpatialLinear`` needs its shape."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class SpatialLinear(SpatialMixin, nn.Linear):
+    """``nn.Linear`` applied to the flattened distributed volume (partial product + sum)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dims = self.global_dims(x)
+        c = x.shape[1]
+        if c * dims[0] * dims[1] * dims[2] != self.in_features:
+            raise ValueError(
+                f"{self.where}: the flattened volume has {c}x{dims[0]}x{dims[1]}x{dims[2]} = "
+                f"{c * dims[0] * dims[1] * dims[2]} features but the layer takes {self.in_features}")
+        (d0, d1), (h0, h1), (w0, w1) = self.cached(("range", dims), lambda: self.grid.block_range(dims))  # type: ignore[misc]
+        block = self.weight.view(self.out_features, c, *dims)[:, :, d0:d1, h0:h1, w0:w1]
+        partial = F.linear(x.flatten(1), block.reshape(self.out_features, -1))
+        y = all_reduce_sum(partial, self.grid.spatial_group)
+        return y if self.bias is None else y + self.bias

@@ -1,0 +1,91 @@
+"""Global sizes of the blocks a spatial layer receives.
+
+A rank sees only its block, and a block size alone does not tell the global size (19
+split 3 ways gives 7, 6, 6; 18 gives 6, 6, 6). The ranks of a spatial group therefore
+exchange their block sizes once per layer call and per global input shape of the whole
+model, and cache the answer. The cache key (the model's global input shape and the
+layer's call count in this forward) is the same on every rank, so all ranks hit or miss
+the cache together and nobody waits on a collective that others skip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from parallel.grid import Grid
+from parallel.partition import DIM_NAMES, SplitError, block_bounds
+
+
+def infer_global_dims(x: torch.Tensor, grid: Grid, where: str) -> tuple[int, int, int]:
+    """The global (D, H, W) of the distributed tensor whose block on this rank is ``x``.
+
+    Collective over the spatial group. Raises if the blocks are not the canonical split
+    of that size (a tensor that was not scattered or produced by spatial layers).
+    """
+    if x.dim() != 5:
+        raise ValueError(f"{where}: expected a 5-D block (N, C, D, H, W), got shape {tuple(x.shape)}")
+    local = tuple(int(s) for s in x.shape[2:])
+    if grid.spatial_size == 1:
+        return local  # type: ignore[return-value]
+    mine = torch.tensor(local, dtype=torch.int64)
+    sizes = [torch.zeros(3, dtype=torch.int64) for _ in range(grid.spatial_size)]
+    dist.all_gather(sizes, mine, group=grid.spatial_group)
+    by_coords = {grid.spatial_coords(r): tuple(s.tolist()) for r, s in enumerate(sizes)}
+    dims = []
+    for axis in range(3):
+        line = []
+        for i in range(grid.spatial[axis]):
+            coords = [0, 0, 0]
+            coords[axis] = i
+            line.append(by_coords[tuple(coords)][axis])
+        n = sum(line)
+        try:
+            expected = [b - a for a, b in block_bounds(n, grid.spatial[axis])]
+        except SplitError as err:
+            raise SplitError(f"{where}: dim {DIM_NAMES[axis]} of size {n} cannot be split "
+                             f"{grid.spatial[axis]} ways") from err
+        if line != expected:
+            raise SplitError(
+                f"{where}: blocks along dim {DIM_NAMES[axis]} have sizes {line}, but a dim of "
+                f"{n} split {grid.spatial[axis]} ways gives {expected}; was the input made by "
+                f"parallel.scatter or a reader using the same grid?")
+        dims.append(n)
+    return tuple(dims)  # type: ignore[return-value]
+
+
+class ShapeTracker:
+    """Caches each spatial layer's global input size, per model input shape and call."""
+
+    def __init__(self, grid: Grid, max_entries: int = 4096) -> None:
+        self.grid = grid
+        self.max_entries = max_entries
+        self._key: tuple[int, ...] | None = None
+        self._calls: dict[int, int] = {}
+        self._cache: dict[tuple, tuple[int, int, int]] = {}
+
+    @contextlib.contextmanager
+    def forward(self, key: tuple[int, ...] | None) -> Iterator[None]:
+        """Scope of one model forward whose input has global shape ``key``."""
+        outer = (self._key, self._calls)
+        self._key, self._calls = key, {}
+        try:
+            yield
+        finally:
+            self._key, self._calls = outer
+
+    def global_dims(self, layer: torch.nn.Module, x: torch.Tensor, where: str) -> tuple[int, int, int]:
+        if self._key is None or self.grid.spatial_size == 1:
+            return infer_global_dims(x, self.grid, where)
+        call = self._calls.get(id(layer), 0)
+        self._calls[id(layer)] = call + 1
+        key = (self._key, id(layer), call)
+        dims = self._cache.get(key)
+        if dims is None:
+            if len(self._cache) >= self.max_entries:
+                self._cache.clear()
+            dims = self._cache[key] = infer_global_dims(x, self.grid, where)
+        return dims

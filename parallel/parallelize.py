@@ -1,0 +1,191 @@
+"""Turn a serial model into its hybrid-parallel form for a grid.
+
+``parallelize(model, grid)`` converts the model's layers in place into their spatial
+twins (same parameters, same ``state_dict`` keys) and wraps it in a ``ParallelModule``
+that synchronises gradients during the backward. Models know nothing of parallelism:
+a model that runs serially runs split, with the same numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel.comm import replicated_grad
+from parallel.gradsync import GradSync
+from parallel.grid import Grid
+from parallel.layers.base import convert
+from parallel.layers.conv import SpatialConv3d, SpatialConvTranspose3d
+from parallel.layers.dropout import SpatialDropout, SpatialDropout3d
+from parallel.layers.linear import SpatialFlatten, SpatialLinear
+from parallel.layers.norm import SpatialBatchNorm3d, SpatialGroupNorm, SpatialInstanceNorm3d
+from parallel.layers.pool import SpatialAvgPool3d, SpatialMaxPool3d
+from parallel.layers.shapes import ShapeTracker, infer_global_dims
+
+log = logging.getLogger("parallel")
+
+SPATIAL_TWINS: dict[type, type] = {
+    nn.Conv3d: SpatialConv3d,
+    nn.ConvTranspose3d: SpatialConvTranspose3d,
+    nn.MaxPool3d: SpatialMaxPool3d,
+    nn.AvgPool3d: SpatialAvgPool3d,
+    nn.BatchNorm3d: SpatialBatchNorm3d,
+    nn.SyncBatchNorm: SpatialBatchNorm3d,
+    nn.InstanceNorm3d: SpatialInstanceNorm3d,
+    nn.GroupNorm: SpatialGroupNorm,
+    nn.Dropout: SpatialDropout,
+    nn.Dropout3d: SpatialDropout3d,
+}
+
+# Layers whose maths spans space in a way no spatial twin covers yet: refuse, don't guess.
+UNSUPPORTED = (
+    nn.Conv1d, nn.Conv2d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.MaxPool1d, nn.MaxPool2d,
+    nn.AvgPool1d, nn.AvgPool2d, nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool3d, nn.LPPool3d,
+    nn.Upsample, nn.LayerNorm, nn.LocalResponseNorm, nn.FractionalMaxPool3d, nn.MaxUnpool3d,
+    nn.Unflatten, nn.PixelShuffle, nn.LazyConv3d,
+)
+
+
+def _check_supported(name: str, layer: nn.Module) -> None:
+    if isinstance(layer, UNSUPPORTED):
+        raise NotImplementedError(f"layer '{name}' ({type(layer).__name__}) has no spatial-parallel "
+                                  "form; run it on a gathered tensor or change the model")
+    if isinstance(layer, (nn.Conv3d, nn.ConvTranspose3d)) and layer.padding_mode not in ("zeros", "circular"):
+        raise NotImplementedError(f"layer '{name}' (Conv3d): padding_mode '{layer.padding_mode}' is not "
+                                  "supported under spatial parallelism (use 'zeros' or 'circular')")
+    if isinstance(layer, nn.ConvTranspose3d) and layer.padding_mode != "zeros":
+        raise NotImplementedError(f"layer '{name}' (ConvTranspose3d): only 'zeros' padding exists in torch")
+
+
+def _convert_children(parent: nn.Module, prefix: str, grid: Grid, shapes: ShapeTracker,
+                      sync_batchnorm: bool) -> None:
+    children = list(parent.named_children())
+    for i, (name, child) in enumerate(children):
+        full = f"{prefix}{name}"
+        if isinstance(child, nn.Flatten):
+            nxt = children[i + 1][1] if i + 1 < len(children) else None
+            if not isinstance(parent, nn.Sequential) or not isinstance(nxt, nn.Linear) or child.start_dim != 1 \
+                    or child.end_dim != -1:
+                raise NotImplementedError(
+                    f"layer '{full}' (Flatten): a flattened block is only supported as Flatten(start_dim=1) "
+                    "directly followed by a Linear in an nn.Sequential (partial product + all-reduce)")
+            setattr(parent, name, convert(child, SpatialFlatten, grid, shapes, full))
+            lin_name = children[i + 1][0]
+            setattr(parent, lin_name, convert(nxt, SpatialLinear, grid, shapes, f"{prefix}{lin_name}"))
+            children[i + 1] = (lin_name, getattr(parent, lin_name))
+            continue
+        if isinstance(child, SpatialLinear):
+            continue
+        twin = SPATIAL_TWINS.get(type(child))
+        if twin is not None:
+            _check_supported(full, child)
+            new = convert(child, twin, grid, shapes, full)
+            if isinstance(new, SpatialBatchNorm3d):
+                new.sync_data = sync_batchnorm
+            setattr(parent, name, new)
+            continue
+        _check_supported(full, child)
+        _convert_children(child, f"{full}.", grid, shapes, sync_batchnorm)
+
+
+def _seed_dropout(module: nn.Module, grid: Grid, seed: int | None) -> None:
+    """Same dropout stream on every rank of a spatial group, another per data group."""
+    layers = [m for m in module.modules() if isinstance(m, (SpatialDropout, SpatialDropout3d))]
+    if not layers:
+        return
+    base = torch.tensor([torch.initial_seed() if seed is None else seed], dtype=torch.int64, device=grid.device)
+    if grid.spatial_size > 1:
+        root = grid.rank_at((0, 0, 0))
+        dist.broadcast(base, src=root, group=grid.spatial_group)
+    base_seed = int(base) % 2**62
+    for i, layer in enumerate(layers):
+        group_seed = (base_seed + 1_000_003 * grid.data_rank + 7919 * i) % 2**63
+        rank_seed = (group_seed + 104_729 * (grid.spatial_rank + 1)) % 2**63
+        layer.seed(group_seed, rank_seed, grid.device)
+
+
+def _first_volume(args: tuple, kwargs: Mapping[str, Any]) -> torch.Tensor | None:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim() == 5:
+            return value
+    return None
+
+
+class ParallelModule(nn.Module):
+    """The hybrid-parallel model: takes this rank's block, returns this rank's block
+    (5-D outputs) or a replicated tensor (outputs with fewer dims, e.g. after
+    Flatten+Linear). ``state_dict``/``load_state_dict`` use the serial model's keys."""
+
+    def __init__(self, module: nn.Module, grid: Grid, shapes: ShapeTracker, bucket_mb: float) -> None:
+        super().__init__()
+        self.module = module
+        self.grid = grid
+        self.shapes = shapes
+        self.sync = GradSync(module, grid.grad_group, grid.data_size, bucket_mb) if grid.world_size > 1 else None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.sync is not None and torch.is_grad_enabled():
+            self.sync.prepare()
+        volume = _first_volume(args, kwargs)
+        key = None
+        if volume is not None and self.grid.spatial_size > 1:
+            key = infer_global_dims(volume, self.grid, "model input")
+        with self.shapes.forward(key):
+            out = self.module(*args, **kwargs)
+        return self._mark_replicated(out)
+
+    def _mark_replicated(self, out: Any) -> Any:
+        if isinstance(out, torch.Tensor):
+            return replicated_grad(out, self.grid) if out.dim() < 5 else out
+        if isinstance(out, (tuple, list)):
+            return type(out)(self._mark_replicated(o) for o in out)
+        if isinstance(out, dict):
+            return {k: self._mark_replicated(v) for k, v in out.items()}
+        return out
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the next backward outside this block syncs them."""
+        if self.sync is None:
+            yield
+            return
+        with self.sync.no_sync():
+            yield
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # serial keys
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def parallelize(model: nn.Module, grid: Grid, *, sync_batchnorm: bool = False,
+                bucket_mb: float = 25.0, seed: int | None = None) -> ParallelModule:
+    """The hybrid-parallel form of ``model`` for ``grid`` (layers converted in place).
+
+    ``sync_batchnorm`` makes BatchNorm statistics span the data groups too (the global
+    batch); otherwise each data group normalises its own rows, as under DDP. ``seed``
+    seeds the dropout streams (default: torch's initial seed on the spatial root).
+    """
+    model.to(grid.device)
+    shapes = ShapeTracker(grid)
+    if grid.spatial_size > 1 or sync_batchnorm:
+        root = SPATIAL_TWINS.get(type(model))
+        if root is not None:  # a single layer parallelised on its own
+            _check_supported(type(model).__name__, model)
+            model = convert(model, root, grid, shapes, type(model).__name__)
+            if isinstance(model, SpatialBatchNorm3d):
+                model.sync_data = sync_batchnorm
+        _convert_children(model, "", grid, shapes, sync_batchnorm)
+        _seed_dropout(model, grid, seed)
+    if grid.world_size > 1:
+        # Start every replica from the same weights, as DDP does.
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(tensor.data, src=0, group=grid.world_group)
+    log.debug("parallelised %s over %s", type(model).__name__, grid.describe())
+    return ParallelModule(model, grid, shapes, bucket_mb)

@@ -1,0 +1,94 @@
+"""Move between a global batch and this rank's part of it.
+
+``scatter`` needs no communication: every rank holds the global batch and cuts out its
+data group's rows and its spatial block. ``gather`` is collective: every rank gets the
+whole global tensor; it is differentiable, and its backward is its adjoint (each rank's
+block receives the sum over ranks of the gradient at that block).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from parallel.grid import Grid
+from parallel.partition import block_bounds
+
+
+def scatter(x: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """This rank's rows (its data group's share of dim 0) and spatial block of ``x``.
+
+    ``x`` is (N, C, D, H, W), the same on every rank. Differentiable (a slice).
+    """
+    if x.dim() != 5:
+        raise ValueError(f"scatter expects a global batch (N, C, D, H, W), got shape {tuple(x.shape)}")
+    r0, r1 = grid.batch_range(x.shape[0])
+    sd, sh, sw = grid.block_slices(tuple(x.shape[2:]))
+    return x[r0:r1, :, sd, sh, sw].to(grid.device)
+
+
+def _layout(x: torch.Tensor, grid: Grid) -> tuple[list[list[int]], list[int]]:
+    """Every rank's local shape, and the global shape (collective)."""
+    dims = x.dim()
+    mine = torch.tensor(list(x.shape), dtype=torch.int64, device=grid.device)
+    shapes = [torch.zeros(dims, dtype=torch.int64, device=grid.device) for _ in range(grid.world_size)]
+    dist.all_gather(shapes, mine, group=grid.world_group)
+    local = [s.tolist() for s in shapes]
+    full = list(x.shape)
+    full[0] = sum(local[d * grid.spatial_size][0] for d in range(grid.data_size))
+    if dims == 5:
+        for axis in range(3):
+            full[axis + 2] = sum(local[grid.rank_at(tuple(i if a == axis else 0 for a in range(3)))][axis + 2]
+                                 for i in range(grid.spatial[axis]))
+    return local, full
+
+
+def _regions(grid: Grid, full: list[int]) -> list[tuple[slice, ...]]:
+    """Where each rank's part sits in the global tensor."""
+    rows = block_bounds(full[0], grid.data_size)
+    regions = []
+    for rank in range(grid.world_size):
+        r0, r1 = rows[rank // grid.spatial_size]
+        index: tuple[slice, ...] = (slice(r0, r1),)
+        if len(full) == 5:
+            coords = grid.spatial_coords(rank % grid.spatial_size)
+            index += (slice(None),) + grid.block_slices(full[2:], coords)
+        regions.append(index)
+    return regions
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, grid: Grid) -> torch.Tensor:
+        local, full = _layout(x, grid)
+        regions = _regions(grid, full)
+        biggest = [max(s[d] for s in local) for d in range(x.dim())]
+        padded = x.new_zeros(biggest)
+        padded[tuple(slice(0, n) for n in x.shape)] = x
+        parts = [torch.empty_like(padded) for _ in range(grid.world_size)]
+        dist.all_gather(parts, padded.contiguous(), group=grid.world_group)
+        out = x.new_empty(full)
+        for rank, part in enumerate(parts):
+            out[regions[rank]] = part[tuple(slice(0, n) for n in local[rank])]
+        ctx.grid, ctx.region = grid, regions[grid.rank]
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        total = grad.contiguous().clone()
+        dist.all_reduce(total, group=ctx.grid.world_group)
+        return total[ctx.region].contiguous(), None
+
+
+def gather(x: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """The global tensor, on every rank, from every rank's part.
+
+    5-D parts are blocks of (N, C, D, H, W); parts with fewer dims are replicated over
+    the spatial group and split over data groups along dim 0 (e.g. model outputs after
+    Flatten+Linear).
+    """
+    if grid.world_size == 1:
+        return x
+    return _Gather.apply(x, grid)

@@ -1,0 +1,131 @@
+"""Run a function on several real processes joined by gloo, and collect what each returns.
+
+A pool of ranks is spawned once per world size and reused by many test cases (spawning
+and importing torch costs seconds on a 2-core machine). A case is a module-level
+function ``fn(grid, *args)``; every rank runs it with a ``Grid`` for the requested
+spatial split. A failure on any rank, or a case that outlasts its timeout, tears the
+pool down (so no rank is left waiting in a collective) and fails the test with every
+rank's traceback.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+from parallel.launch import free_port
+
+
+def _worker(rank: int, world: int, port: int, jobs: Any, results: Any) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    from parallel.grid import Grid
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))
+    grids: dict[tuple[int, int, int], Grid] = {}
+    try:
+        while True:
+            job = jobs.get()
+            if job is None:
+                break
+            fn, args, spatial = job
+            try:
+                if spatial not in grids:
+                    grids[spatial] = Grid.from_world(spatial)
+                results.put((rank, True, fn(grids[spatial], *args)))
+            except BaseException:  # noqa: BLE001 - report everything to the test process
+                results.put((rank, False, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+class RankPool:
+    """``world`` spawned ranks with a gloo process group, waiting for cases."""
+
+    def __init__(self, world: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self.results = ctx.Queue()
+        self.jobs = [ctx.Queue() for _ in range(world)]
+        port = free_port("127.0.0.1")
+        self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.jobs[r], self.results), daemon=True)
+                      for r in range(world)]
+        for p in self.procs:
+            p.start()
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def run(self, fn: Callable[..., Any], *args: Any, spatial: Sequence[int] = (1, 1, 1),
+            timeout: float = 120.0) -> list[Any]:
+        """Run ``fn(grid, *args)`` on every rank; return the per-rank results in rank order."""
+        for q in self.jobs:
+            q.put((fn, args, tuple(spatial)))
+        got: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        while len(got) + len(errors) < self.world:
+            # Once a rank has failed, the others are likely stuck in a collective: wait briefly.
+            wait = min(deadline, time.monotonic() + 3.0) if errors else deadline
+            try:
+                rank, ok, value = self.results.get(timeout=max(0.1, wait - time.monotonic()))
+            except queue.Empty:
+                if not errors and time.monotonic() < deadline and self.alive:
+                    continue
+                break
+            (got if ok else errors)[rank] = value
+        if errors or len(got) < self.world:
+            self.close()
+            silent = sorted(set(range(self.world)) - set(got) - set(errors))
+            report = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+            if silent:
+                report += f"\nranks {silent} did not finish within {timeout:.0f} s (killed)"
+            raise AssertionError(f"{getattr(fn, '__name__', fn)} failed on {self.world} ranks:{report}")
+        return [got[r] for r in range(self.world)]
+
+    def close(self) -> None:
+        for q in self.jobs:
+            try:
+                q.put(None)
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + 5.0
+        for p in self.procs:
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+
+
+class Pools:
+    """One live ``RankPool`` per world size, replaced when a failure killed it."""
+
+    def __init__(self) -> None:
+        self._pools: dict[int, RankPool] = {}
+
+    def run(self, world: int, fn: Callable[..., Any], *args: Any, spatial: Sequence[int] = (1, 1, 1),
+            timeout: float = 120.0) -> list[Any]:
+        pool = self._pools.get(world)
+        if pool is None or not pool.alive:
+            pool = self._pools[world] = RankPool(world)
+        try:
+            return pool.run(fn, *args, spatial=spatial, timeout=timeout)
+        except AssertionError:
+            self._pools.pop(world, None)
+            raise
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
