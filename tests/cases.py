@@ -112,3 +112,52 @@ def expect_error(grid: Grid, build: Callable[[], nn.Module], shape: tuple[int, .
     except (ValueError, NotImplementedError, RuntimeError) as err:
         return str(err)
     raise AssertionError("expected an error, but the parallel forward ran")
+
+
+def check_halo(grid: Grid, n: int, dim: int, windows: list[tuple[int, int]], mode: str) -> float:
+    """``fetch`` returns the right window of the global tensor, and ``reduce`` is its
+    adjoint: <F x, y> == <x, F^T y> summed over ranks (float64)."""
+    import torch.distributed as dist
+
+    from parallel.halo import fetch, make_plan, reduce
+
+    shape = [2, 3, 4, 5, 6]
+    shape[dim] = n
+    gen = torch.Generator().manual_seed(0)
+    full = torch.randn(shape, generator=gen, dtype=torch.float64)
+    x = parallel.scatter(full, grid)
+    axis = dim - 2
+    plan = make_plan(n, grid.line_ranks(dim), grid.coords[axis], windows, mode)  # type: ignore[arg-type]
+    fx = fetch(x, dim, plan, fill=-7.0)
+
+    lo, hi = windows[grid.coords[axis]]
+    others = [s for a, s in enumerate(grid.block_slices(shape[2:])) if a != axis]
+    pieces = []
+    for t in range(lo, hi):
+        if mode == "circular" or 0 <= t < n:
+            pieces.append(full.narrow(dim, t % n, 1))
+        else:
+            pieces.append(torch.full_like(full.narrow(dim, 0, 1), -7.0))
+    expected = torch.cat(pieces, dim=dim)
+    index = [slice(None)] * 5
+    for a, s in zip([i for i in range(3) if i != axis], others):
+        index[a + 2] = s
+    assert_close(fx, expected[tuple(index)], "fetched window", rtol=0.0)
+
+    fx0 = fetch(x, dim, plan, fill=0.0)  # adjoint of the linear map (fill 0)
+    y = torch.randn(fx0.shape, generator=torch.Generator().manual_seed(100 + grid.rank), dtype=torch.float64)
+    sums = torch.stack([(fx0 * y).sum(), (x * reduce(y, dim, plan)).sum()])
+    dist.all_reduce(sums, group=grid.spatial_group)
+    lhs, rhs = float(sums[0]), float(sums[1])
+    if abs(lhs - rhs) > 1e-10 * max(abs(lhs), 1.0):
+        raise AssertionError(f"<Fx, y> = {lhs!r} but <x, F^T y> = {rhs!r}")
+    xg = x.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(fetch(xg, dim, plan), xg, y)
+    assert_close(grad, reduce(y, dim, plan), "autograd backward of fetch", rtol=0.0)
+    return abs(lhs - rhs)
+
+
+def dense_head() -> nn.Module:
+    """Conv, Flatten+Linear (partial products + all-reduce), then replicated layers."""
+    return nn.Sequential(nn.Conv3d(3, 2, 3, padding=1), nn.LeakyReLU(0.3), nn.Flatten(),
+                         nn.Linear(2 * 6 * 5 * 4, 8), nn.ReLU(), nn.Dropout(0.0), nn.Linear(8, 4), nn.Tanh())
