@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import time
 import traceback
@@ -69,6 +70,7 @@ class RankPool:
     def run(self, fn: Callable[..., Any], *args: Any, spatial: Sequence[int] = (1, 1, 1),
             timeout: float = 120.0) -> list[Any]:
         """Run ``fn(grid, *args)`` on every rank; return the per-rank results in rank order."""
+        pickle.dumps((fn, args))  # fail here, not silently in the queue's feeder thread
         for q in self.jobs:
             q.put((fn, args, tuple(spatial)))
         got: dict[int, Any] = {}
