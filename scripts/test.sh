@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Set up (scripts/setup.sh) if needed, then run the test suite on CPU with gloo.
+#
+#   bash scripts/test.sh               # the whole suite (about 10 minutes on 2 cores)
+#   bash scripts/test.sh -k halo       # extra arguments go to pytest
+set -euo pipefail
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
+    sed -n '2,5p' "$0" | sed 's/^# \{0,1\}//'
+    exit 0
+fi
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=scripts/setup.sh
+source scripts/setup.sh
+export OMP_NUM_THREADS=1
+python -m pytest -q "$@"
