@@ -3,7 +3,8 @@
 Builds a small serial model with every layer type ``parallelize`` converts, runs one
 forward and backward on a seeded global batch split over the grid, and compares the
 gathered outputs, input gradient and parameter gradients with the serial model run on
-every rank. Prints one JSON line (rank 0) with checksums and the largest relative
+every rank. Data groups each take the mean loss over their rows (as under DDP) and
+BatchNorm spans the global batch, so any grid reproduces the serial numbers. Prints one JSON line (rank 0) with checksums and the largest relative
 differences; exits 1 if any exceeds the tolerance. The checksums are those of the
 serial maths, so the same command prints the same numbers under every launcher::
 
@@ -56,7 +57,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run(grid: parallel.Grid, batch: int = 4, size: int = 12, seed: int = 0) -> dict:
-    """Compare the parallel model with the serial one on this grid; returns the report."""
+    """Compare the parallel model with the serial one on this grid; returns the report.
+
+    The serial loss is a mean over the global batch; each data group's loss is the mean
+    over its own rows (as under DDP), and BatchNorm statistics span the global batch
+    (``sync_batchnorm``), so outputs and parameter gradients equal the serial ones for any
+    grid whose data size divides the batch.
+    """
+    if batch % grid.data_size:
+        raise ValueError(f"--batch {batch} must be a multiple of the data size {grid.data_size}")
     torch.manual_seed(seed)
     serial = EveryLayer(size=size).to(grid.device)
     model = copy.deepcopy(serial)
@@ -65,29 +74,23 @@ def run(grid: parallel.Grid, batch: int = 4, size: int = 12, seed: int = 0) -> d
     seg_target = torch.randn(batch, 3, size // 2, size // 2, size // 2, generator=gen).to(grid.device)
     vec_target = torch.randn(batch, 4, generator=gen).to(grid.device)
 
-    rows = parallel.block_bounds(batch, grid.data_size)
-    replicas = [copy.deepcopy(serial) for _ in rows]
     xs = x.clone().requires_grad_(True)
-    segs, vecs = [], []
-    for rep, (a, b) in zip(replicas, rows):
-        seg, vec = rep(xs[a:b])
-        ((seg * seg_target[a:b]).sum() + (vec * vec_target[a:b]).sum()).backward()
-        segs.append(seg.detach())
-        vecs.append(vec.detach())
-    serial_grads = {n: sum(dict(r.named_parameters())[n].grad for r in replicas) / grid.data_size
-                    for n, _ in serial.named_parameters()}
+    seg_ref, vec_ref = serial(xs)
+    (((seg_ref * seg_target).sum() + (vec_ref * vec_target).sum()) / batch).backward()
 
-    pmodel = parallel.parallelize(model, grid)
+    pmodel = parallel.parallelize(model, grid, sync_batchnorm=True)
     xl = parallel.scatter(x, grid).requires_grad_(True)
     seg, vec = pmodel(xl)
     r0, r1 = grid.batch_range(batch)
-    ((seg * parallel.scatter(seg_target, grid)).sum() + (vec * vec_target[r0:r1]).sum()).backward()
+    rows = r1 - r0
+    (((seg * parallel.scatter(seg_target, grid)).sum() + (vec * vec_target[r0:r1]).sum()) / rows).backward()
 
     seg_all, vec_all = parallel.gather(seg.detach(), grid), parallel.gather(vec.detach(), grid)
-    grad_x = parallel.gather(xl.grad, grid)
-    diffs = {"segmentation": _rel(seg_all, torch.cat(segs)), "vector": _rel(vec_all, torch.cat(vecs)),
+    grad_x = parallel.gather(xl.grad, grid) * (rows / batch)  # each group's loss is a mean over its rows
+    diffs = {"segmentation": _rel(seg_all, seg_ref.detach()), "vector": _rel(vec_all, vec_ref.detach()),
              "input grad": _rel(grad_x, xs.grad)}
-    diffs.update({f"grad {n}": _rel(p.grad, serial_grads[n]) for n, p in pmodel.module.named_parameters()})
+    serial_grads = dict(serial.named_parameters())
+    diffs.update({f"grad {n}": _rel(p.grad, serial_grads[n].grad) for n, p in pmodel.module.named_parameters()})
     return {
         "world_size": grid.world_size, "data": grid.data_size, "spatial": list(grid.spatial),
         "launcher": grid.launcher,

@@ -77,7 +77,8 @@ def test_spatial_1x2x2_equals_plain_python_under_torchrun_mpirun_and_slurm():
         _same(serial, report)
 
 
-def test_data2_x_spatial2_same_numbers_under_torchrun_and_mpirun():
-    a, b = _torchrun(4, "2 1 1"), _mpirun(4, "2 1 1")
-    assert a["data"] == b["data"] == 2
-    _same(a, b)
+def test_data2_x_spatial2_equals_plain_python_under_torchrun_and_mpirun():
+    serial = _report(SELFCHECK)
+    for report in (_torchrun(4, "2 1 1"), _mpirun(4, "2 1 1")):
+        assert report["data"] == 2 and report["spatial"] == [2, 1, 1]
+        _same(serial, report)
