@@ -1,0 +1,74 @@
+"""Sample files, the block reader, the sampler and staging: each rank reads only its block.
+
+The on-disk format is described in ``docs/data.md``. In short: HDF5, every field stored
+with a leading sample axis (one or many samples per file), volume fields chunked so that
+the chunks tile the block boundaries of the spatial splits the file was written for.
+
+Public API (all importable from ``parallel.data``)::
+
+    from parallel.data import (BlockDataset, GlobalShuffleSampler, PartialShuffleSampler,
+                               make_loader, stage, check_files, StepStats)
+    from cosmoflow import fields          # or: from unet3d import fields
+
+    # A rank's view of a directory (or list) of sample files. Volume fields come back as
+    # this rank's block (C, d, h, w) (or (d, h, w) for channel-less fields such as a
+    # label), scalar fields whole; ``transform`` runs on the block in the worker.
+    ds = BlockDataset("data/train", fields=fields.FIELDS, grid=grid,
+                      transform=fields.transform)    # CosmoFlow: log(x + 1) on the block
+    # U-Net: transform=unet3d.fields.transform_for(ds.attrs) (clip + z-score for raw
+    # synthetic images, labels only for already-normalised KiTS19 files).
+    len(ds)                          # number of samples
+    ds[i]                            # {"volume": Tensor(C, d, h, w), "target": Tensor(4)}
+    ds.attrs                         # attributes of the first file (spec, codec, ...)
+
+    # One global shuffle per epoch from a shared seed; data group r takes rows
+    # grid.batch_range(global_batch) of every global batch, so the global batch does not
+    # depend on the data-parallel size; every rank of a spatial group gets the same order.
+    sampler = GlobalShuffleSampler(len(ds), grid, global_batch=8, seed=0, shuffle=True,
+                                   drop_last=True)
+    # or: PartialShuffleSampler(len(ds), grid, global_batch=8, seed=0, exchange=0.1)
+    len(sampler)                     # steps per epoch (the same on every rank)
+
+    loader = make_loader(ds, sampler, num_workers=2, prefetch_factor=2,
+                         pin_memory=None,      # None: pin when CUDA is available
+                         device=None)          # or a device: batches moved non-blocking
+    loader.set_epoch(epoch)          # = sampler.set_epoch(epoch, start_step=0)
+    for batch, stats in loader:      # batch: dict of stacked tensors (B_local, ...)
+        stats.bytes_read             # stored bytes this step's samples read (chunks touched)
+        stats.read_seconds           # seconds the workers spent reading them
+        stats.wait_seconds           # seconds this step waited for its batch
+        stats.samples
+    loader.totals                    # StepStats summed over the epoch so far (.as_dict())
+    loader.state_dict()              # {"kind", "seed", "epoch", "step"}: steps delivered
+    loader.load_state_dict(state)    # resume at the next undelivered step
+
+    # Staging to node-local storage before training (ranks of a node share the copying;
+    # collective over torch.distributed when it is initialised).
+    report = stage("data/train", "/dev/shm/train", grid, mode="shard",  # or "blocks"
+                   local_size=ranks_per_node, indices=None)
+    report.path, report.bytes, report.files, report.seconds      # this rank
+    report.bytes_total, report.files_total, report.seconds_max   # all ranks
+    ds = BlockDataset(report.path, ...)   # same sample numbering as the source
+
+    # Validation of a prepared directory: (file, reason) for every problem found.
+    problems = check_files("data/train", fields.SPEC)
+
+Errors raised while reading (``SampleReadError``) name the file, the field, the sample
+and the hyperslab; through DataLoader workers they reach the loop with that text.
+"""
+
+from parallel.data.check import check_file, check_files
+from parallel.data.codecs import CODECS, codec_kwargs
+from parallel.data.format import (FieldSpec, SampleSpec, choose_chunks, create_datasets,
+                                  parse_splits, sample_files, write_manifest, write_samples)
+from parallel.data.loader import BlockLoader, StepStats, make_loader
+from parallel.data.reader import BlockDataset, CountingFile, SampleReadError, touched_chunk_bytes
+from parallel.data.sampler import GlobalShuffleSampler, PartialShuffleSampler
+from parallel.data.staging import StageReport, stage
+
+__all__ = [
+    "BlockDataset", "BlockLoader", "CODECS", "CountingFile", "FieldSpec", "GlobalShuffleSampler",
+    "PartialShuffleSampler", "SampleReadError", "SampleSpec", "StageReport", "StepStats",
+    "check_file", "check_files", "choose_chunks", "codec_kwargs", "create_datasets", "make_loader",
+    "parse_splits", "sample_files", "stage", "touched_chunk_bytes", "write_manifest", "write_samples",
+]

@@ -1,0 +1,184 @@
+"""Staging: copy what a node needs to node-local storage before training.
+
+Two modes:
+
+- ``shard``: whole sample files holding the node's samples (``indices``; all samples
+  when None, as a global shuffle needs), copied byte for byte;
+- ``blocks``: only the blocks of the spatial positions of the node's ranks, written as
+  smaller sample files under ``block_d{cd}h{ch}w{cw}/`` with ``global_shape`` and
+  ``block_origin`` attributes, so that the reader finds its hyperslab in them.
+
+Ranks of a node are consecutive (``rank // local_size`` is the node), as the launchers
+place them; they share the work round-robin and wait for each other. The destination
+gets a manifest listing every source file with its sample count and the source
+directory, so that ``BlockDataset(dest)`` keeps the global sample numbering and reads
+anything not staged (e.g. samples a partial shuffle brings in) from the source.
+Copies go to a temporary name and are renamed: an interrupted staging resumes, and
+files already present (same size) are not copied again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+import h5py
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from parallel.data.codecs import codec_kwargs
+from parallel.data.format import MANIFEST, choose_chunks
+from parallel.data.reader import _resolve, block_dir_name
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StageReport:
+    """What staging did. ``bytes``/``files``/``seconds``: this rank; ``*_total``: all
+    ranks (``seconds_max``: the slowest rank) when torch.distributed runs."""
+
+    path: Path
+    bytes: int
+    files: int
+    seconds: float
+    bytes_total: int
+    files_total: int
+    seconds_max: float
+
+
+def _node_ranks(grid: Any, local_size: int) -> list[int]:
+    node = grid.rank // local_size
+    return list(range(node * local_size, min((node + 1) * local_size, grid.world_size)))
+
+
+def stage(source: str | os.PathLike, dest: str | os.PathLike, grid: Any,
+          mode: Literal["shard", "blocks"] = "shard", local_size: int = 1,
+          indices: Sequence[int] | np.ndarray | None = None) -> StageReport:
+    """Copy this node's share of ``source`` into ``dest``; collective when dist runs.
+
+    Args:
+        source: a prepared directory of sample files.
+        dest: node-local directory (e.g. ``/dev/shm/train`` or ``$TMPDIR/train``).
+        grid: the process grid (rank, world size, spatial split).
+        mode: ``shard`` (whole files) or ``blocks`` (only the node's blocks).
+        local_size: ranks per node.
+        indices: global sample indices the node needs (e.g. the union of its data groups'
+            ``PartialShuffleSampler.shard(0)``); None for all samples.
+    """
+    t0 = time.perf_counter()
+    source, dest = Path(source), Path(dest)
+    files, counts, _ = _resolve(source, None)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    if indices is None:
+        wanted = list(range(len(files)))
+    else:
+        idx = np.unique(np.asarray(indices, dtype=np.int64))
+        wanted = sorted(set((np.searchsorted(starts, idx, side="right") - 1).tolist()))
+    ranks = _node_ranks(grid, local_size)
+    if mode == "shard":
+        jobs: list[tuple[int, tuple[int, int, int] | None]] = [(i, None) for i in wanted]
+    elif mode == "blocks":
+        positions = sorted({grid.spatial_coords(r % grid.spatial_size) for r in ranks})
+        jobs = [(i, c) for c in positions for i in wanted]
+    else:
+        raise ValueError(f"staging mode {mode!r}: choose 'shard' or 'blocks'")
+    local_rank = ranks.index(grid.rank)
+    nbytes = nfiles = 0
+    for i, coords in jobs[local_rank::len(ranks)]:
+        if coords is None:
+            nbytes += _copy_file(files[i], dest / files[i].name)
+        else:
+            out = dest / block_dir_name(coords) / files[i].name
+            nbytes += _copy_block(files[i], out, grid, coords)
+        nfiles += 1
+    _barrier(grid)
+    if local_rank == 0:
+        _write_manifest(dest, source, files, counts, mode == "blocks")
+    _barrier(grid)
+    seconds = time.perf_counter() - t0
+    totals = [float(nbytes), float(nfiles)]
+    seconds_max = seconds
+    if dist.is_available() and dist.is_initialized():
+        device = getattr(grid, "device", torch.device("cpu"))
+        t = torch.tensor(totals, dtype=torch.float64, device=device)
+        dist.all_reduce(t)
+        m = torch.tensor([seconds], dtype=torch.float64, device=device)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX)
+        totals, seconds_max = t.tolist(), float(m.item())
+    log.info("staged %d files, %.1f MB in %.1f s on rank %d (all ranks: %d files, %.1f MB)",
+             nfiles, nbytes / 1e6, seconds, grid.rank, totals[1], totals[0] / 1e6)
+    return StageReport(path=dest, bytes=nbytes, files=nfiles, seconds=seconds,
+                       bytes_total=int(totals[0]), files_total=int(totals[1]), seconds_max=seconds_max)
+
+
+def _barrier(grid: Any) -> None:
+    if dist.is_available() and dist.is_initialized():
+        # The world, not a node group: creating node groups would itself be collective,
+        # and staging happens once, before training.
+        dist.barrier()
+
+
+def _copy_file(src: Path, out: Path) -> int:
+    """Copy one file unless an equal-sized copy exists; the bytes copied."""
+    size = src.stat().st_size
+    if out.exists() and out.stat().st_size == size:
+        return 0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, out)
+    return size
+
+
+def _copy_block(src: Path, out: Path, grid: Any, coords: tuple[int, int, int]) -> int:
+    """Write the block at ``coords`` of every sample of ``src`` as a smaller sample file."""
+    if out.exists():
+        return 0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    try:
+        with h5py.File(src, "r") as f, h5py.File(tmp, "w") as g:
+            shape = tuple(int(s) for s in f.attrs.get("global_shape", ()))
+            origin = np.asarray(f.attrs.get("block_origin", (0, 0, 0)), dtype=np.int64)
+            if len(shape) != 3 or origin.any():
+                raise ValueError(f"{src}: not a full-volume sample file (global_shape {shape}, "
+                                 f"block_origin {origin.tolist()})")
+            ranges = grid.block_range(shape, coords)
+            codec = str(f.attrs.get("codec", "none"))
+            for key, value in f.attrs.items():
+                g.attrs[key] = value
+            for name, dset in f.items():
+                if dset.ndim >= 4 and tuple(dset.shape[-3:]) == shape:
+                    sel = (Ellipsis,) + tuple(slice(a, b) for a, b in ranges)
+                    block = dset[sel]
+                    channels = block.shape[1] if block.ndim == 5 else None
+                    chunks = choose_chunks(block.shape[-3:], [(1, 1, 1)], channels, block.dtype.itemsize)
+                    chunks = (min(chunks[0], block.shape[0]),) + chunks[1:]
+                    g.create_dataset(name, data=block, chunks=chunks, **codec_kwargs(codec))
+                else:
+                    g.create_dataset(name, data=dset[...])
+            g.attrs["block_origin"] = np.asarray([a for a, _ in ranges], dtype=np.int64)
+            g.attrs["splits"] = np.asarray([grid.spatial], dtype=np.int64)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise OSError(f"{src}: cannot stage the block at {coords}: {err}") from err
+    os.replace(tmp, out)
+    return out.stat().st_size
+
+
+def _write_manifest(dest: Path, source: Path, files: list[Path], counts: list[int], blocks: bool) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    manifest = {"staged": True, "blocks": blocks, "source": str(source.resolve()),
+                "files": [{"name": p.name, "samples": int(n)} for p, n in zip(files, counts)]}
+    tmp = dest / f"{MANIFEST}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(manifest, fh, indent=1)
+    os.replace(tmp, dest / MANIFEST)

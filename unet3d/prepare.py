@@ -1,0 +1,98 @@
+"""Prepare 3D U-Net data: synthetic CT-like cases, the KiTS19 converter, checks.
+
+Examples::
+
+    python -m unet3d.prepare synthetic --out data/unet64 --size 64 --train 128 --val 32 --seed 0
+    python -m unet3d.prepare from-kits /data/kits19/preprocessed data/kits --val-list eval_cases.txt
+    mpirun -n 4 python -m unet3d.prepare from-kits /data/kits19/preprocessed data/kits
+    python -m unet3d.prepare check data/unet64
+
+``synthetic`` writes ``OUT/train`` and ``OUT/val``; ``from-kits`` writes ``OUT/train`` and
+``OUT/val`` when given ``--val-list`` (case ids, one per line, e.g. ``case_00003``) or the
+source has ``train``/``val`` subdirectories, else ``OUT`` itself. Interrupted runs resume.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from parallel.data.cli import add_check, add_write_args, finish, run_check, setup_logging, write_options
+from parallel.data.jobs import Job, run_jobs
+from unet3d import convert
+from unet3d.fields import SPEC
+
+SPLIT_DIRS = {"train": "train", "validation": "val", "val": "val", "valid": "val"}
+
+
+def cmd_synthetic(args: argparse.Namespace) -> int:
+    codec, splits, workers = write_options(args)
+    for split_id, (name, total) in enumerate((("train", args.train), ("val", args.val))):
+        out = args.out / name
+        jobs = [Job((out / f"case_{i:05d}.h5",), (out / f"case_{i:05d}.h5", args.seed, split_id, i,
+                                                   args.size, codec, splits)) for i in range(total)]
+        report = run_jobs(convert.write_synthetic, jobs, workers, f"synthetic {name}", not args.quiet)
+        finish(out, SPEC, report, {j.outputs[0].name: 1 for j in jobs}, source="synthetic",
+               seed=args.seed, size=args.size)
+    return 0
+
+
+def cmd_from_kits(args: argparse.Namespace) -> int:
+    codec, splits, workers = write_options(args)
+    pairs = [(args.src / name, args.out / dest) for name, dest in SPLIT_DIRS.items() if (args.src / name).is_dir()]
+    val_ids: set[str] = set()
+    if args.val_list is not None:
+        val_ids = {line.strip() for line in args.val_list.read_text().splitlines() if line.strip()}
+    groups: dict[Path, list[tuple[Path, Path]]] = {}
+    for src, out in pairs or [(args.src, args.out)]:
+        xs = sorted(src.glob("case_*_x.npy"))
+        if not xs:
+            raise SystemExit(f"{src}: no case_*_x.npy files")
+        for x in xs:
+            case = x.name[: -len("_x.npy")]
+            y = x.with_name(case + "_y.npy")
+            if not y.is_file():
+                raise SystemExit(f"{x}: no matching label file {y.name}")
+            dest = out
+            if not pairs and args.val_list is not None:
+                dest = args.out / ("val" if case in val_ids else "train")
+            groups.setdefault(dest, []).append((x, y))
+    for out, cases in groups.items():
+        jobs = []
+        for x, y in cases:
+            target = out / (x.name[: -len("_x.npy")] + ".h5")
+            jobs.append(Job((target,), (x, y, target, codec, splits)))
+        report = run_jobs(convert.convert_kits, jobs, workers, f"from-kits {out.name}", not args.quiet)
+        finish(out, SPEC, report, {j.outputs[0].name: 1 for j in jobs}, source=str(args.src))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    setup_logging()
+    parser = argparse.ArgumentParser(prog="python -m unet3d.prepare", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("synthetic", help="ellipsoid organs with lesions, intensity variation and noise")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--size", type=int, default=64, help="voxels per side (up to 512)")
+    p.add_argument("--train", type=int, default=128)
+    p.add_argument("--val", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    add_write_args(p)
+    p = sub.add_parser("from-kits", help="MLPerf preprocessed KiTS19: case_XXXXX_x.npy / _y.npy")
+    p.add_argument("src", type=Path)
+    p.add_argument("out", type=Path)
+    p.add_argument("--val-list", type=Path, default=None, help="case ids for OUT/val, one per line")
+    add_write_args(p)
+    add_check(sub)
+    args = parser.parse_args(argv)
+    if args.command == "check":
+        return run_check(args, SPEC)
+    if args.command == "synthetic" and not 1 <= args.size <= 512:
+        parser.error(f"--size {args.size}: choose 1..512")
+    return {"synthetic": cmd_synthetic, "from-kits": cmd_from_kits}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
