@@ -1,0 +1,46 @@
+"""CosmoFlow as a model family of the shared training loop: network, fields, loss, metric
+and the MLPerf HPC defaults (``CosmoFlowJob()``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from cosmoflow.fields import transform
+from cosmoflow.model import CosmoFlow, CosmoFlowConfig, mae_per_sample, mse_loss
+from parallel.grid import Grid
+from parallel.train.config import JobConfig, OptimConfig, ScheduleConfig, TrainConfig
+from parallel.train.family import Family
+
+
+@dataclass
+class CosmoFlowJob(JobConfig):
+    """A CosmoFlow training job; defaults are the MLPerf HPC reference settings."""
+
+    model: CosmoFlowConfig = field(default_factory=CosmoFlowConfig)
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(global_batch_size=64, epochs=128))
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(name="sgd", lr=0.001, lr_scale_batch=64,
+                                                                   momentum=0.9))
+    sched: ScheduleConfig = field(default_factory=lambda: ScheduleConfig(
+        warmup_epochs=4, decay="step", decay_epochs=[32, 64], decay_factors=[0.25, 0.125]))
+
+
+def build(cfg: CosmoFlowConfig, volume: tuple[int, int, int]) -> CosmoFlow:
+    return CosmoFlow(cfg, volume)
+
+
+def loss(pred: torch.Tensor, target: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """MSE of the replicated (n, 4) prediction: no spatial reduction needed."""
+    return mse_loss(pred, target)
+
+
+def metric(pred: torch.Tensor, target: torch.Tensor, grid: Grid) -> torch.Tensor:
+    return mae_per_sample(pred, target)
+
+
+FAMILY = Family(
+    name="cosmoflow", config_class=CosmoFlowJob, build_model=build,
+    input_field="volume", target_field="target", loss=loss, metric=metric,
+    metric_name="mae", goal="min", target=0.124, mlperf_eval_key="eval_error", transform=transform,
+)

@@ -1,0 +1,135 @@
+"""Checkpoints: the serial model's state_dict plus everything an exact resume needs.
+
+``run.dir/checkpoints/last.pt`` holds plain tensors and Python scalars only, so it loads
+with ``torch.load(path, weights_only=True)``:
+
+- ``model``: the serial model's ``state_dict`` (the same keys at any grid, so a checkpoint
+  from one grid loads at any other grid and serially);
+- ``optimizer``: the optimiser's ``state_dict`` (parameters in the serial model's order);
+- ``step``, ``epoch``, ``samples``: progress; ``sampler``: the sampler's state;
+- ``rng``: every rank's RNG streams (torch's, CUDA's and the dropout layers' own),
+  restored only at the same world size, so dropout masks repeat exactly;
+  ``scaler``: the fp16 grad scaler;
+- ``meta``: the grid and config it was written with, for reference.
+
+Rank 0 writes to a temporary file and renames it over ``last.pt`` (``os.replace``), so a
+job killed mid-write leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel.grid import Grid
+
+log = logging.getLogger("parallel.train")
+
+
+def checkpoint_path(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / "checkpoints" / "last.pt"
+
+
+def _generators(model: nn.Module | None) -> list[torch.Generator]:
+    """Private generators of the model's layers (the spatial dropout streams)."""
+    gens: list[torch.Generator] = []
+    for m in (model.modules() if model is not None else ()):
+        for name in ("group_generator", "rank_generator"):
+            g = getattr(m, name, None)
+            if isinstance(g, torch.Generator):
+                gens.append(g)
+    return gens
+
+
+def rng_state(model: nn.Module | None = None) -> torch.Tensor:
+    """This rank's RNG streams as one uint8 tensor: torch's CPU RNG, CUDA's, the model's."""
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_available():
+        states.append(torch.cuda.get_rng_state())
+    states += [g.get_state() for g in _generators(model)]
+    return torch.cat([s.cpu().view(torch.uint8).flatten() for s in states])
+
+
+def set_rng_state(state: torch.Tensor, model: nn.Module | None = None) -> None:
+    """Inverse of ``rng_state`` (the same model layout and device kind)."""
+    offset = 0
+
+    def take(like: torch.Tensor) -> torch.Tensor:
+        nonlocal offset
+        n = like.numel()
+        if offset + n > state.numel():
+            raise ValueError(f"checkpoint RNG state holds {state.numel()} bytes, this model needs more")
+        out = state[offset:offset + n].clone()
+        offset += n
+        return out
+
+    torch.set_rng_state(take(torch.get_rng_state()))
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state(take(torch.cuda.get_rng_state()))
+    for g in _generators(model):
+        g.set_state(take(g.get_state()))
+    if offset != state.numel():
+        raise ValueError(f"checkpoint RNG state holds {state.numel()} bytes, this model uses {offset}")
+
+
+def gather_rng(grid: Grid, model: nn.Module | None = None) -> torch.Tensor:
+    """Every rank's ``rng_state``, stacked (world, L), on every rank."""
+    state = rng_state(model)
+    if grid.world_size == 1:
+        return state[None]
+    dev = grid.device if grid.device.type == "cuda" else torch.device("cpu")
+    mine = state.to(dev)
+    out = [torch.empty_like(mine) for _ in range(grid.world_size)]
+    dist.all_gather(out, mine, group=grid.world_group)
+    return torch.stack([t.cpu() for t in out])
+
+
+def save(path: str | os.PathLike, grid: Grid, state: dict[str, Any], model: nn.Module | None = None) -> None:
+    """Write ``state`` atomically (collective: every rank calls it; rank 0 writes).
+
+    ``state`` must already hold the serial model's state_dict under ``model``; this adds
+    the per-rank RNG states.
+    """
+    rng = gather_rng(grid, model)
+    if grid.rank == 0:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        payload = dict(state)
+        payload["rng"] = {"states": rng, "world_size": grid.world_size, "spatial": list(grid.spatial)}
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        log.debug("checkpoint step %s written to %s", state.get("step"), path)
+    if grid.world_size > 1:
+        dist.barrier(group=grid.world_group)
+
+
+def load(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Read a checkpoint safely (``weights_only=True``); a clear error if it is missing."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def restore_rng(ckpt: dict[str, Any], grid: Grid, seed: int, model: nn.Module | None = None) -> bool:
+    """Restore this rank's RNG streams if the world size matches; else reseed. True if restored."""
+    rng = ckpt.get("rng") or {}
+    same = rng.get("world_size") == grid.world_size and list(rng.get("spatial", [])) == list(grid.spatial)
+    if same and "states" in rng:
+        set_rng_state(rng["states"][grid.rank], model)
+        return True
+    log.warning("checkpoint RNG streams are from a world of %s ranks split %s, this is %s split %s: "
+                "dropout is reseeded, so the run continues correctly but not bit for bit",
+                rng.get("world_size"), rng.get("spatial"), grid.world_size, list(grid.spatial))
+    torch.manual_seed(seed + 7919 * (int(ckpt.get("step", 0)) + 1) + grid.rank)
+    return False

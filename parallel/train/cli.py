@@ -1,0 +1,64 @@
+"""The Hydra entry point behind ``python -m cosmoflow.train`` and ``python -m unet3d.train``.
+
+The family's ``JobConfig`` subclass is registered as the structured config
+``<family>_schema``; YAML files in ``configs/<family>/`` start from it and hold overrides
+only (``--config-name quickstart``), and every field can be overridden on the command
+line. Hydra's own logging and output directory are switched off in those files: the
+run writes its outputs (and the resolved ``config.yaml``) to ``run.dir``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from parallel.train.config import to_dataclass
+from parallel.train.family import Family
+
+CONFIG_ROOT = Path(__file__).resolve().parents[2] / "configs"
+
+
+def register(family: Family) -> str:
+    """Register the family's schema with Hydra; returns its name."""
+    name = f"{family.name}_schema"
+    ConfigStore.instance().store(name=name, node=family.config_class)
+    return name
+
+
+def main(family: Family, config_name: str = "default") -> Any:
+    """Compose the config from ``configs/<family>/`` and the command line, then train."""
+    register(family)
+
+    @hydra.main(version_base=None, config_path=str(CONFIG_ROOT / family.name), config_name=config_name)
+    def _run(cfg: DictConfig) -> Any:
+        from parallel.train.loop import train
+
+        job = to_dataclass(cfg, family.config_class)
+        _write_config(cfg, job)
+        return train(job, family)
+
+    return _run()
+
+
+def _write_config(cfg: DictConfig, job: Any) -> None:
+    """Rank 0 (by launcher env) saves the resolved config as ``run.dir/config.yaml``."""
+    import os
+
+    if int(os.environ.get("RANK", os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))) != 0:
+        return
+    path = Path(job.run.dir) / "config.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(OmegaConf.to_yaml(cfg, resolve=True), encoding="utf-8")
+
+
+def load_job(run_dir: str | Path, family: Family) -> Any:
+    """The typed job config a run was trained with (``run.dir/config.yaml``)."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: pass the run.dir of a training run")
+    schema = OmegaConf.structured(family.config_class)
+    return to_dataclass(OmegaConf.merge(schema, OmegaConf.load(path)), family.config_class)

@@ -1,0 +1,230 @@
+"""Typed configuration of a training job, one dataclass per section.
+
+Registered as Hydra structured configs by each model's entry point (``cosmoflow.train``,
+``unet3d.train``), which adds its own ``model`` section and defaults; YAML files under
+``configs/`` hold overrides only, and every field can be overridden on the command line
+(``train.global_batch_size=8 parallel.spatial=[2,1,1]``). Each component receives only
+its own section.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
+
+
+class Choice(str, Enum):
+    """A config field with a fixed set of values (OmegaConf validates Enums, not Literals).
+
+    Members compare equal to, print as and serialise as their string value.
+    """
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class Precision(Choice):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class OptimName(Choice):
+    sgd = "sgd"
+    adamw = "adamw"
+
+
+class Decay(Choice):
+    none = "none"
+    step = "step"
+    cosine = "cosine"
+
+
+class Division(Choice):
+    closed = "closed"
+    open = "open"
+
+
+class Status(Choice):
+    onprem = "onprem"
+    cloud = "cloud"
+    research = "research"
+    preview = "preview"
+
+
+@dataclass
+class DataConfig:
+    """Where the samples live and how they are read."""
+
+    dir: str = "data"
+    """Dataset root holding ``train/`` and ``val/`` (written by ``python -m <model>.prepare``)."""
+    train_subdir: str = "train"
+    """Training split, relative to ``data.dir``."""
+    val_subdir: str = "val"
+    """Validation split, relative to ``data.dir``."""
+    stage_dir: Optional[str] = None
+    """Node-local directory to stage this rank's share into before training (None: read in place)."""
+    stage_blocks_only: bool = True
+    """When staging, copy only this rank's blocks instead of whole samples."""
+    max_open_files: int = 256
+    """HDF5 files each reader process keeps open (least recently used closed first)."""
+    workers: int = 1
+    """Reader processes per rank (0: read in the training process)."""
+    prefetch: int = 2
+    """Batches each reader process reads ahead of the compute."""
+    max_train_samples: int = 0
+    """Use only the first N training samples (0: all); for quick experiments."""
+    max_val_samples: int = 0
+    """Use only the first N validation samples (0: all)."""
+
+
+@dataclass
+class ParallelConfig:
+    """The process grid."""
+
+    spatial: list[int] = field(default_factory=lambda: [1, 1, 1])
+    """Ways each sample is split along D, H, W; the data axis takes the remaining ranks."""
+    timeout_s: float = 600.0
+    """Bound on every collective: a dead peer ends the job instead of hanging it."""
+    backend: Optional[str] = None
+    """torch.distributed backend (None: nccl on GPUs, gloo on CPUs)."""
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation run."""
+
+    global_batch_size: int = 64
+    """Samples per optimiser step, over all data groups and accumulation micro-steps."""
+    accum_steps: int = 1
+    """Micro-batches per optimiser step (gradient accumulation); the global batch must divide by data size x this."""
+    epochs: int = 128
+    """Epochs to train at most."""
+    max_steps: int = 0
+    """Stop after this many optimiser steps in total (0: no limit)."""
+    seed: int = 0
+    """Seed of weights, shuffling and dropout."""
+    resume: bool = False
+    """Continue from ``run.dir/checkpoints/last.pt`` if it exists."""
+    precision: Precision = Precision.fp32
+    """Compute precision: bf16 autocast (CPU or GPU), fp16 autocast with a grad scaler (GPU only)."""
+    eval_batch_size: int = 0
+    """Samples per evaluation step over all data groups (0: train.global_batch_size)."""
+    eval_every: int = 1
+    """Evaluate every this many epochs (0: only at the end)."""
+    eval_at_end: bool = True
+    """Evaluate after the last step if the last evaluation was earlier."""
+    target: Optional[float] = None
+    """Quality target on the validation metric (None: the model's MLPerf target)."""
+    stop_at_target: bool = True
+    """End the run at the first evaluation that reaches the target."""
+    grad_clip: float = 0.0
+    """Clip the gradient's global norm to this (0: off)."""
+
+
+@dataclass
+class OptimConfig:
+    """The optimiser."""
+
+    name: OptimName = OptimName.sgd
+    """SGD with momentum (optionally Nesterov) or AdamW."""
+    lr: float = 0.001
+    """Base learning rate, before batch scaling and schedule."""
+    lr_scale_batch: Optional[int] = None
+    """If set, the peak LR is lr x global_batch_size / this (MLPerf CosmoFlow: 64)."""
+    momentum: float = 0.9
+    """SGD momentum."""
+    nesterov: bool = False
+    """Nesterov momentum for SGD."""
+    weight_decay: float = 0.0
+    """Decoupled for AdamW, L2 for SGD."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+
+
+@dataclass
+class ScheduleConfig:
+    """Learning-rate schedule, evaluated at fractional epochs (step / steps per epoch)."""
+
+    warmup_epochs: float = 0.0
+    """Linear warmup length in epochs (0: none)."""
+    warmup_start_lr: Optional[float] = None
+    """LR at the start of warmup (None: the unscaled optim.lr, as in MLPerf CosmoFlow)."""
+    decay: Decay = Decay.none
+    """After warmup: constant, step decay at boundaries, or cosine to min_lr over train.epochs."""
+    decay_epochs: list[int] = field(default_factory=list)
+    """Step decay boundaries (epochs)."""
+    decay_factors: list[float] = field(default_factory=list)
+    """Peak-LR multiplier from each boundary on; factors replace each other, they do not multiply."""
+    min_lr: float = 0.0
+    """Final LR of the cosine decay."""
+
+
+@dataclass
+class RunConfig:
+    """Outputs and reporting."""
+
+    dir: str = "runs/default"
+    """Run directory: checkpoints/, metrics.jsonl, TensorBoard events, mlperf.log, summary.json."""
+    checkpoint_every: int = 0
+    """Also write ``last.pt`` every this many steps (0: only at epoch ends and at the end)."""
+    log_every: int = 10
+    """Write a metrics.jsonl line and TensorBoard scalars every this many steps."""
+    progress: bool = True
+    """Show a progress bar on the speaking rank."""
+    log_rank: int = -2
+    """Rank whose logger speaks (-1: all ranks; -2: rank 0, or from env LOG_RANK)."""
+    log_level: str = "INFO"
+    """Logging level of the framework's logger."""
+    tensorboard: bool = True
+    """Write TensorBoard events."""
+
+
+@dataclass
+class MLPerfConfig:
+    """MLPerf logging (``run.dir/mlperf.log``)."""
+
+    enabled: bool = True
+    """Write the MLPerf log."""
+    benchmark: str = ""
+    """Benchmark name in the log (default: the model family's)."""
+    org: str = "spatialcnn"
+    """submission_org."""
+    division: Division = Division.closed
+    """submission_division."""
+    status: Status = Status.research
+    """submission_status."""
+    platform: str = "cpu"
+    """submission_platform."""
+
+
+@dataclass
+class JobConfig:
+    """A whole training job; each model's entry point subclasses it with its ``model`` section."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sched: ScheduleConfig = field(default_factory=ScheduleConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    mlperf: MLPerfConfig = field(default_factory=MLPerfConfig)
+    model: Any = None
+
+
+def to_dataclass(cfg: Any, cls: type) -> Any:
+    """A DictConfig composed by Hydra -> the typed dataclass tree (``OmegaConf.to_object``)."""
+    from omegaconf import OmegaConf
+
+    if isinstance(cfg, cls):
+        return cfg
+    obj = OmegaConf.to_object(cfg)
+    if not isinstance(obj, cls):
+        raise TypeError(f"config resolved to {type(obj).__name__}, expected {cls.__name__}")
+    return obj

@@ -1,0 +1,115 @@
+"""The training job's readers: block datasets, samplers and loaders for train and val.
+
+Each rank reads only its block of each sample (``parallel.data.BlockDataset``); the
+training sampler shuffles globally from the job seed and gives each data group its rows
+of every global batch, so the global batch does not depend on the data-parallel size.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from parallel.data import BlockDataset, GlobalShuffleSampler, make_loader, stage
+from parallel.grid import Grid
+from parallel.train.config import JobConfig
+from parallel.train.family import Family
+
+log = logging.getLogger("parallel.train")
+
+
+@dataclass
+class JobData:
+    """The readers of a job and what the loop needs to know about them."""
+
+    train: Any
+    val: Any
+    n_train: int
+    n_val: int
+    volume: tuple[int, int, int]
+    staging_seconds: float = 0.0
+
+
+def split_dir(cfg: JobConfig, split: str, model: str) -> Path:
+    """``data.dir/<split>``, with an error that says how to make it when it is missing."""
+    sub = cfg.data.train_subdir if split == "train" else cfg.data.val_subdir
+    path = Path(cfg.data.dir) / sub
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"data.dir={cfg.data.dir!r} has no {sub}/ directory ({path}); generate a set with "
+            f"`python -m {model}.prepare synthetic --out {cfg.data.dir}` or point data.dir at one"
+        )
+    return path
+
+
+def _count(n: int, limit: int, key: str, path: Path) -> int:
+    if n == 0:
+        raise FileNotFoundError(f"{path} holds no samples")
+    if limit and limit > n:
+        log.warning("%s=%d but %s holds only %d samples", key, limit, path, n)
+    return min(n, limit) if limit else n
+
+
+def _loader(ds: BlockDataset, sampler: Any, cfg: JobConfig, grid: Grid, seed: int) -> Any:
+    loader = make_loader(ds, sampler, num_workers=cfg.data.workers,
+                         prefetch_factor=max(cfg.data.prefetch, 1), device=grid.device,
+                         persistent_workers=cfg.data.workers > 0)
+    # The DataLoader draws its workers' base seed from a generator at every epoch; a
+    # private one keeps the global RNG (plain dropout) independent of data loading, so a
+    # resumed run draws the same dropout masks as an uninterrupted one.
+    loader.loader.generator = torch.Generator().manual_seed(seed)
+    return loader
+
+
+def build_data(cfg: JobConfig, family: Family, grid: Grid) -> JobData:
+    """Stage (if asked) and open the train and val splits for this rank."""
+    fields = (family.input_field, family.target_field)
+    train_dir = split_dir(cfg, "train", family.name)
+    val_dir = split_dir(cfg, "val", family.name)
+    t0 = time.perf_counter()
+    if cfg.data.stage_dir:
+        mode = "blocks" if cfg.data.stage_blocks_only else "shard"
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", grid.world_size))
+        train_dir = Path(stage(str(train_dir), str(Path(cfg.data.stage_dir) / "train"), grid,
+                               mode=mode, local_size=local).path)
+        val_dir = Path(stage(str(val_dir), str(Path(cfg.data.stage_dir) / "val"), grid,
+                             mode=mode, local_size=local).path)
+    staging = time.perf_counter() - t0
+    train_ds = BlockDataset(train_dir, fields=fields, grid=grid, transform=family.transform,
+                            max_open_files=cfg.data.max_open_files)
+    val_ds = BlockDataset(val_dir, fields=fields, grid=grid, transform=family.transform,
+                          max_open_files=cfg.data.max_open_files)
+    if family.transform_for is not None:
+        train_ds.transform = family.transform_for(train_ds.attrs)
+        val_ds.transform = family.transform_for(val_ds.attrs)
+    n_train = _count(len(train_ds), cfg.data.max_train_samples, "data.max_train_samples", train_dir)
+    n_val = _count(len(val_ds), cfg.data.max_val_samples, "data.max_val_samples", val_dir)
+    shape = train_ds.attrs.get("global_shape")
+    if shape is None:
+        raise ValueError(f"{train_dir}: sample files carry no global_shape attribute")
+    volume = tuple(int(s) for s in shape)
+    g = cfg.train.global_batch_size
+    per_step = grid.data_size * cfg.train.accum_steps
+    if g % per_step != 0:
+        raise ValueError(
+            f"train.global_batch_size={g} does not divide into data groups ({grid.data_size}) x "
+            f"train.accum_steps ({cfg.train.accum_steps}) = {per_step} equal micro-batches"
+        )
+    if n_train < g:
+        raise ValueError(f"{train_dir} holds {n_train} samples, fewer than train.global_batch_size={g}")
+    train_sampler = GlobalShuffleSampler(n_train, grid, global_batch=g, seed=cfg.train.seed,
+                                         shuffle=True, drop_last=True)
+    eval_batch = cfg.train.eval_batch_size or g
+    val_sampler = GlobalShuffleSampler(n_val, grid, global_batch=max(eval_batch, grid.data_size),
+                                       seed=cfg.train.seed, shuffle=False, drop_last=False)
+    return JobData(
+        train=_loader(train_ds, train_sampler, cfg, grid, cfg.train.seed + 1),
+        val=_loader(val_ds, val_sampler, cfg, grid, cfg.train.seed + 2),
+        n_train=n_train, n_val=n_val, volume=volume, staging_seconds=staging,  # type: ignore[arg-type]
+    )

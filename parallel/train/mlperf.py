@@ -1,0 +1,108 @@
+"""MLPerf logging (``:::MLLOG {json}`` lines) to ``run.dir/mlperf.log``.
+
+Only rank 0 writes; every other rank gets a logger that does nothing, so the loop calls
+it unconditionally. The order of events follows the HPC ruleset 3.0.0 (staging before
+``run_start``)::
+
+    cache_clear, init_start, submission_*, number_of_*, hyperparameters,
+    staging_start, staging_stop, init_stop, run_start,
+    (epoch_start, [eval_start, eval_error, eval_stop], epoch_stop)*, run_stop
+
+Check a log with ``python -m mlperf_logging.compliance_checker --usage hpc --ruleset 3.0.0
+run.dir/mlperf.log`` (CosmoFlow). The closed division wants ``optim.name=sgd``; other
+optimisers belong to ``mlperf.division=open``.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from mlperf_logging import mllog
+from mlperf_logging.mllog.mllog import MLLogger
+
+from parallel.grid import Grid
+from parallel.train.config import JobConfig
+
+
+class MLPerfLog:
+    """A thin wrapper over ``mllog.MLLogger`` that writes to one file on rank 0."""
+
+    def __init__(self, path: str | Path | None, enabled: bool = True) -> None:
+        self.enabled = enabled and path is not None
+        self._mllogger: MLLogger | None = None
+        if self.enabled:
+            logger = logging.getLogger(f"parallel.mlperf.{Path(path).resolve()}")
+            logger.propagate = False
+            logger.setLevel(logging.INFO)
+            for h in list(logger.handlers):
+                logger.removeHandler(h)
+                h.close()
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            handler = logging.FileHandler(str(path), mode="a")
+            handler.setFormatter(logging.Formatter("%(message)s"))
+            logger.addHandler(handler)
+            self._logger = logger
+            self._mllogger = MLLogger(logger=logger, default_stack_offset=2)
+
+    def event(self, key: str, value: Any = None, **metadata: Any) -> None:
+        if self._mllogger is not None:
+            self._mllogger.event(key=key, value=value, metadata=metadata or None)
+
+    def start(self, key: str, value: Any = None, **metadata: Any) -> None:
+        if self._mllogger is not None:
+            self._mllogger.start(key=key, value=value, metadata=metadata or None)
+
+    def end(self, key: str, value: Any = None, **metadata: Any) -> None:
+        if self._mllogger is not None:
+            self._mllogger.end(key=key, value=value, metadata=metadata or None)
+
+    def close(self) -> None:
+        if self._mllogger is not None:
+            for h in list(self._logger.handlers):
+                self._logger.removeHandler(h)
+                h.close()
+            self._mllogger = None
+
+
+def open_log(cfg: JobConfig, grid: Grid, benchmark: str) -> MLPerfLog:
+    """The run's MLPerf log: real on rank 0 when enabled, silent elsewhere."""
+    path = Path(cfg.run.dir) / "mlperf.log"
+    return MLPerfLog(path if grid.rank == 0 else None, cfg.mlperf.enabled)
+
+
+def log_submission(ml: MLPerfLog, cfg: JobConfig, grid: Grid, benchmark: str, n_nodes: int) -> None:
+    """``init_start`` and the submission and hyperparameter keys (once per run)."""
+    c = mllog.constants
+    ml.event(c.CACHE_CLEAR, True)
+    ml.start(c.INIT_START)
+    ml.event(c.SUBMISSION_BENCHMARK, cfg.mlperf.benchmark or benchmark)
+    ml.event(c.SUBMISSION_ORG, cfg.mlperf.org)
+    ml.event(c.SUBMISSION_DIVISION, cfg.mlperf.division)
+    ml.event(c.SUBMISSION_STATUS, cfg.mlperf.status)
+    ml.event(c.SUBMISSION_PLATFORM, cfg.mlperf.platform)
+    ml.event(c.SEED, cfg.train.seed)
+    ml.event("number_of_ranks", grid.world_size)
+    ml.event("number_of_nodes", n_nodes)
+    accel = 0 if grid.device.type == "cpu" else max(1, grid.world_size // max(n_nodes, 1))
+    ml.event("accelerators_per_node", accel)
+    ml.event("spatial_split", list(grid.spatial))
+    ml.event(c.GLOBAL_BATCH_SIZE, cfg.train.global_batch_size)
+    ml.event("gradient_accumulation_frequency", cfg.train.accum_steps)
+    ml.event(c.OPT_NAME, cfg.optim.name)
+    from parallel.train.optim import peak_lr
+
+    ml.event(c.OPT_BASE_LR, peak_lr(cfg.optim, cfg.train.global_batch_size))
+    ml.event(c.OPT_LR_WARMUP_EPOCHS, cfg.sched.warmup_epochs)
+    start = cfg.optim.lr if cfg.sched.warmup_start_lr is None else cfg.sched.warmup_start_lr
+    peak = peak_lr(cfg.optim, cfg.train.global_batch_size)
+    ml.event("opt_learning_rate_warmup_factor", peak / start if start > 0 else 0.0)
+    ml.event("opt_learning_rate_decay_boundary_epochs", list(cfg.sched.decay_epochs))
+    ml.event("opt_learning_rate_decay_factor", list(cfg.sched.decay_factors))
+    ml.event(c.OPT_WEIGHT_DECAY, cfg.optim.weight_decay)
+    if cfg.optim.name == "sgd":
+        ml.event("opt_momentum", cfg.optim.momentum)
+    dropout = getattr(cfg.model, "dropout", None)
+    if dropout is not None:
+        ml.event("dropout", dropout)
