@@ -98,7 +98,8 @@ def _seed_dropout(module: nn.Module, grid: Grid, seed: int | None) -> None:
     layers = [m for m in module.modules() if isinstance(m, (SpatialDropout, SpatialDropout3d))]
     if not layers:
         return
-    base = torch.tensor([torch.initial_seed() if seed is None else seed], dtype=torch.int64, device=grid.device)
+    raw = torch.initial_seed() if seed is None else seed
+    base = torch.tensor([raw % 2**62], dtype=torch.int64, device=grid.device)  # initial_seed may exceed int64
     if grid.spatial_size > 1:
         root = grid.rank_at((0, 0, 0))
         dist.broadcast(base, src=root, group=grid.spatial_group)
