@@ -266,8 +266,8 @@ def test_check_names_every_bad_file_with_its_reason(tmp_path: Path, capsys) -> N
     assert "'volume' is missing" in lines[str(train / "sample_000005.h5")]
 
 
-@pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun")
 def test_synthetic_under_mpirun_shares_the_files(tmp_path: Path) -> None:
+    assert shutil.which("mpirun"), "mpirun not found: install the 'mpi' extra (pip install -e .[mpi])"
     out = subprocess.run(["mpirun", "-n", "2", sys.executable, "-m", "cosmoflow.prepare", "synthetic",
                           "--out", str(tmp_path), "--size", "16", "--train", "5", "--val", "1", "--seed", "3",
                           "--workers", "1", "--quiet"], capture_output=True, text=True, timeout=120,
