@@ -70,6 +70,10 @@ def test_kill_and_resume_gives_uninterrupted_weights(data, tmp_path):
     steps = [json.loads(l)["step"] for l in (cut / "metrics.jsonl").read_text().splitlines()
              if json.loads(l)["kind"] == "train"]
     assert steps == sorted(set(steps))
+    # the interrupted run's MLPerf log is kept aside; the resumed run's log is whole on its own
+    assert (cut / "mlperf.log.1").is_file()
+    keys = [json.loads(l.split(":::MLLOG ", 1)[1])["key"] for l in (cut / "mlperf.log").read_text().splitlines()]
+    assert keys.count("init_start") == 1 and keys[-1] == "run_stop"
 
 
 def test_outputs_and_checkpoint_loads_serially(data, tmp_path):

@@ -100,18 +100,25 @@ def main(argv: list[str] | None = None) -> None:
         pmodel = parallel.parallelize(model, grid, seed=0).eval()
         args.out.mkdir(parents=True, exist_ok=True)
         dice = []
-        for index in range(grid.data_rank, len(ds), grid.data_size):
-            sample = ds[index]
-            x = sample[FAMILY.input_field][None].to(grid.device)
-            with torch.no_grad():
-                if args.window:
-                    logits = sliding_window(pmodel, x, args.window, job.model.n_classes)
-                else:
-                    logits = pmodel(x)
-            if has_label:
-                y = sample[FAMILY.target_field][None].to(grid.device)
-                dice.append(float(FAMILY.metric(logits, y, grid)[0]))
-            _write_block(args.out, ds, index, logits.argmax(1)[0].to(torch.uint8).cpu().numpy(), grid, volume)
+        # Data groups take volumes round-robin; in each round the ranks write in turns over
+        # the whole job, because two data groups may hold volumes of the same output file.
+        rounds = -(-len(ds) // grid.data_size)
+        for r in range(rounds):
+            index = r * grid.data_size + grid.data_rank
+            labels = None
+            if index < len(ds):
+                sample = ds[index]
+                x = sample[FAMILY.input_field][None].to(grid.device)
+                with torch.no_grad():
+                    if args.window:
+                        logits = sliding_window(pmodel, x, args.window, job.model.n_classes)
+                    else:
+                        logits = pmodel(x)
+                if has_label:
+                    y = sample[FAMILY.target_field][None].to(grid.device)
+                    dice.append(float(FAMILY.metric(logits, y, grid)[0]))
+                labels = logits.argmax(1)[0].to(torch.uint8).cpu().numpy()
+            _write_block(args.out, ds, index, labels, grid, volume)
         if has_label:
             scores = torch.tensor([sum(dice), len(dice)], dtype=torch.float64)
             if grid.data_size > 1:
@@ -124,25 +131,24 @@ def main(argv: list[str] | None = None) -> None:
         parallel.destroy()
 
 
-def _write_block(out: Path, ds: BlockDataset, index: int, labels: np.ndarray, grid: parallel.Grid,
+def _write_block(out: Path, ds: BlockDataset, index: int, labels: np.ndarray | None, grid: parallel.Grid,
                  volume: tuple[int, ...]) -> None:
-    """Ranks of the spatial group write their blocks of sample ``index`` in turn."""
-    path, row = ds.locate(index)
-    target = out / path.name
-    samples = int(ds.locate(index)[1]) + 1
-    (d0, d1), (h0, h1), (w0, w1) = grid.block_range(volume) if grid.spatial_size > 1 else [(0, n) for n in volume]
-    for turn in range(grid.spatial_size):
-        if turn == grid.spatial_rank:
-            with h5py.File(target, "a") as f:
+    """Every rank of the job writes its block of sample ``index`` in turn (None: nothing to write)."""
+    for turn in range(grid.world_size):
+        if turn == grid.rank and labels is not None:
+            path, row = ds.locate(index)
+            (d0, d1), (h0, h1), (w0, w1) = (grid.block_range(volume) if grid.spatial_size > 1
+                                            else [(0, n) for n in volume])
+            with h5py.File(out / path.name, "a") as f:
                 if "label" not in f:
-                    f.create_dataset("label", shape=(max(samples, 1), *volume), maxshape=(None, *volume),
+                    f.create_dataset("label", shape=(row + 1, *volume), maxshape=(None, *volume),
                                      dtype="uint8", chunks=(1, *[min(64, n) for n in volume]))
                 dset = f["label"]
                 if dset.shape[0] <= row:
                     dset.resize(row + 1, axis=0)
                 dset[row, d0:d1, h0:h1, w0:w1] = labels
-        if grid.spatial_size > 1:
-            dist.barrier(group=grid.spatial_group)
+        if grid.world_size > 1:
+            dist.barrier(group=grid.world_group)
 
 
 if __name__ == "__main__":

@@ -127,8 +127,8 @@ class BlockLoader:
 
 def make_loader(dataset: BlockDataset, sampler: Any, num_workers: int = 2, prefetch_factor: int = 2,
                 pin_memory: bool | None = None, device: torch.device | str | None = None,
-                multiprocessing_context: str | None = None, persistent_workers: bool = False
-                ) -> BlockLoader:
+                multiprocessing_context: str | None = None, persistent_workers: bool = False,
+                seed: int | None = None) -> BlockLoader:
     """A loader over ``dataset`` in the batches ``sampler`` yields (lists of indices).
 
     Args:
@@ -137,6 +137,9 @@ def make_loader(dataset: BlockDataset, sampler: Any, num_workers: int = 2, prefe
         pin_memory: page-lock batches for fast host-to-device copies; None pins when CUDA
             is available.
         device: when given, batches are moved there (non-blocking from pinned memory).
+        seed: seeds a private generator for the workers' base seed (drawn at every epoch),
+            so loading never consumes the global RNG (dropout masks stay reproducible on
+            resume); None draws from the global RNG as torch's DataLoader does.
     """
     if pin_memory is None:
         pin_memory = torch.cuda.is_available()
@@ -147,5 +150,6 @@ def make_loader(dataset: BlockDataset, sampler: Any, num_workers: int = 2, prefe
                       multiprocessing_context=multiprocessing_context)
     loader = torch.utils.data.DataLoader(_WithStats(dataset), batch_sampler=sampler,
                                          num_workers=num_workers, collate_fn=_Collate(dataset),
-                                         pin_memory=pin_memory, **kwargs)
+                                         pin_memory=pin_memory, **kwargs,
+                                         generator=None if seed is None else torch.Generator().manual_seed(seed))
     return BlockLoader(dataset, sampler, loader, torch.device(device) if device is not None else None)

@@ -67,8 +67,21 @@ class MLPerfLog:
 
 
 def open_log(cfg: JobConfig, grid: Grid, benchmark: str) -> MLPerfLog:
-    """The run's MLPerf log: real on rank 0 when enabled, silent elsewhere."""
+    """The run's MLPerf log: real on rank 0 when enabled, silent elsewhere.
+
+    A log already in ``run.dir`` belongs to an interrupted run being resumed: it is kept as
+    ``mlperf.log.<k>`` and the resumed run writes a fresh, complete ``mlperf.log`` (a
+    resumed run is not a valid timed MLPerf run, but each log stays well-formed).
+    """
     path = Path(cfg.run.dir) / "mlperf.log"
+    if grid.rank == 0 and cfg.mlperf.enabled and path.is_file() and path.stat().st_size > 0:
+        k = 1
+        while path.with_name(f"mlperf.log.{k}").exists():
+            k += 1
+        path.rename(path.with_name(f"mlperf.log.{k}"))
+        logging.getLogger("parallel.train").warning(
+            "resuming: the interrupted run's MLPerf log is kept as %s; a resumed run is not a "
+            "valid timed MLPerf result", path.with_name(f"mlperf.log.{k}"))
     return MLPerfLog(path if grid.rank == 0 else None, cfg.mlperf.enabled)
 
 
