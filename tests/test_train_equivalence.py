@@ -23,7 +23,9 @@ MODELS = {
         "model.conv_filters=4", "model.n_conv_blocks=2", "model.dense_sizes=[16]", "model.dropout=0.0",
         "model.input_shift=3.8", "model.input_scale=2.0", "optim.lr=0.05"]),
     "unet3d": dict(size=16, overrides=[
-        "model.depth=2", "model.base_filters=4", "model.max_filters=8", "optim.lr=0.05"]),
+        "model.depth=2", "model.base_filters=4", "model.max_filters=8", "optim.lr=0.05",
+        # augmentation on, often: flips of split volumes and per-voxel noise must not depend on the grid
+        "augment.flip_prob=0.5", "augment.brightness_prob=0.5", "augment.noise_prob=0.5"]),
 }
 
 

@@ -7,7 +7,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+import torch.distributed as dist
+
+from parallel import augment as spatial_augment
 from parallel.grid import Grid
+from parallel.layers.shapes import infer_global_dims
 from parallel.train.config import JobConfig, OptimConfig, ScheduleConfig, TrainConfig
 from parallel.train.family import Family
 from unet3d.fields import transform, transform_for
@@ -16,10 +20,34 @@ from unet3d.model import UNet3D, UNet3DConfig
 
 
 @dataclass
+class AugmentConfig:
+    """Training-time augmentation as in the MLPerf U-Net reference (section ``augment``).
+
+    Each sample draws its own flips, brightness and noise from the step's seed and its row
+    in the global batch, so the augmented batch is the same at every grid; flips of a
+    split volume fetch the mirrored blocks from their owners (``parallel.augment``).
+    """
+
+    enabled: bool = True
+    """Augment training batches (never validation)."""
+    flip_prob: float = 1.0 / 3.0
+    """Probability of flipping each of D, H and W."""
+    brightness_prob: float = 0.1
+    """Probability of scaling the image by a factor in [1 - brightness, 1 + brightness]."""
+    brightness: float = 0.3
+    """Largest relative brightness change."""
+    noise_prob: float = 0.1
+    """Probability of adding Gaussian noise of a standard deviation drawn from [0, noise_std]."""
+    noise_std: float = 0.1
+    """Largest noise standard deviation (on the normalised image)."""
+
+
+@dataclass
 class UNet3DJob(JobConfig):
     """A 3D U-Net training job; defaults follow the MLPerf Training reference (KiTS19)."""
 
     model: UNet3DConfig = field(default_factory=UNet3DConfig)
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(global_batch_size=2, epochs=4000,
                                                                    eval_every=20))
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(name="sgd", lr=0.8, momentum=0.9,
@@ -44,8 +72,53 @@ def metric(logits: torch.Tensor, labels: torch.Tensor, grid: Grid) -> torch.Tens
     return dice_per_sample(logits, labels, grid)
 
 
+def augment(batch: dict[str, torch.Tensor], gen: torch.Generator, grid: Grid,
+            cfg: UNet3DJob) -> dict[str, torch.Tensor]:
+    """Random flips, brightness and Gaussian noise of this rank's part of the batch.
+
+    Collective over the spatial group (flips along split dims) and, with several data
+    groups, over the data group (each group's offset in the global batch).
+    """
+    aug = cfg.augment
+    image, label = batch["image"], batch["label"]
+    if not aug.enabled or image.dim() != 5:
+        return batch
+    n = image.shape[0]
+    counts = [n]
+    if grid.data_size > 1:
+        mine = torch.tensor([n], dtype=torch.int64)
+        gathered = [torch.zeros_like(mine) for _ in range(grid.data_size)]
+        dist.all_gather(gathered, mine, group=grid.data_group)
+        counts = [int(c) for c in gathered]
+    offset = sum(counts[: grid.data_rank]) if grid.data_size > 1 else 0
+    total = sum(counts)
+    if n == 0:  # the whole spatial group holds no rows this step: nothing to exchange
+        return batch
+    # every rank draws the whole global batch's choices and keeps its own rows
+    draws = torch.rand(total, 7, generator=gen, dtype=torch.float64)[offset:offset + n]
+    keys = torch.randint(0, 2**31 - 1, (total,), generator=gen)[offset:offset + n]
+    volume = infer_global_dims(image, grid, "unet3d augment")
+    block = grid.block_range(volume) if grid.spatial_size > 1 else [(0, v) for v in volume]
+    images, labels = [], []
+    for i in range(n):
+        x, y = image[i:i + 1], label[i:i + 1].unsqueeze(1)
+        dims = [d for d in (2, 3, 4) if draws[i, d - 2] < aug.flip_prob]
+        x = spatial_augment.flip(x, dims, grid, volume)
+        y = spatial_augment.flip(y, dims, grid, volume)
+        if draws[i, 3] < aug.brightness_prob:
+            x = x * float(1.0 + aug.brightness * (2.0 * draws[i, 4] - 1.0))
+        if draws[i, 5] < aug.noise_prob:
+            noise = spatial_augment.voxel_noise(int(keys[i]), x.shape[1], block, volume, x.device)
+            x = x + float(aug.noise_std * draws[i, 6]) * noise.to(x.dtype)[None]
+        images.append(x)
+        labels.append(y.squeeze(1))
+    out = dict(batch)
+    out["image"], out["label"] = torch.cat(images), torch.cat(labels)
+    return out
+
+
 FAMILY = Family(
     name="unet3d", config_class=UNet3DJob, build_model=build, input_field="image", target_field="label",
     loss=loss, metric=metric, metric_name="mean_dice", goal="max", target=0.908,
-    mlperf_eval_key="eval_accuracy", transform=transform, transform_for=transform_for,
+    mlperf_eval_key="eval_accuracy", transform=transform, transform_for=transform_for, augment=augment,
 )

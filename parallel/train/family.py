@@ -48,8 +48,9 @@ class Family:
     """Runs on each sample's block in the reader's workers (picklable, module-level)."""
     transform_for: Optional[Callable[[dict[str, Any]], Callable[[Sample], Sample]]] = None
     """If set, picks the transform from the sample files' attributes (overrides ``transform``)."""
-    augment: Optional[Callable[[Sample, torch.Generator, Grid], Sample]] = None
-    """Training-time augmentation of a local batch, from a generator the loop seeds per step."""
+    augment: Optional[Callable[[Sample, torch.Generator, Grid, Any], Sample]] = None
+    """(local batch, generator seeded per step alike on every rank, grid, job config) -> the
+    augmented local batch; collective calls allowed (every rank calls it every step)."""
 
     def reached(self, value: float, target: float) -> bool:
         """Whether a metric value meets ``target``."""

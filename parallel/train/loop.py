@@ -130,7 +130,7 @@ class Trainer:
         cfg, fam = self.cfg, self.family
         if fam.augment is not None:
             gen = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + self.step)
-            batch = fam.augment(batch, gen, self.grid)
+            batch = fam.augment(batch, gen, self.grid, cfg)
         x, y = batch[fam.input_field], batch[fam.target_field]
         accum = cfg.train.accum_steps
         xs, ys = x.chunk(accum), y.chunk(accum)
