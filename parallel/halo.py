@@ -10,12 +10,18 @@ asking: one batched isend/irecv per peer.
 The backward is the adjoint: gradients of the halo travel back to their owners and are
 added there. The same plan run the other way (``reduce``) sums overlapping partial
 outputs into their owners, which is what a transposed convolution needs.
+
+``fetch_all``/``reduce_all`` run several dims' plans in a row without autograd, and
+``in_background`` runs such a chain on a helper thread, so a layer can compute what needs
+no halo while the messages travel (``parallel.layers.conv``).
 """
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,6 +47,12 @@ class ExchangePlan:
     @property
     def is_local(self) -> bool:
         return not self.recvs and not self.sends
+
+    @property
+    def is_identity(self) -> bool:
+        """The window is the block itself: nothing to copy, send or fill."""
+        return (self.is_local and not self.fills and self.out_len == self.in_len
+                and self.copies == ((0, 0, self.in_len),))
 
 
 def make_plan(
@@ -165,6 +177,8 @@ class _Reduce(torch.autograd.Function):
 def fetch(x: torch.Tensor, dim: int, plan: ExchangePlan, fill: float = 0.0) -> torch.Tensor:
     """This rank's window along ``dim``: its block plus halos (or trimmed), padded with
     ``fill`` outside the volume. Differentiable; the backward is the exact adjoint."""
+    if plan.is_identity and x.shape[dim] == plan.in_len:
+        return x  # an aligned pooling window: no copy of the block
     return _Fetch.apply(x, dim, plan, fill)
 
 
@@ -172,3 +186,44 @@ def reduce(y: torch.Tensor, dim: int, plan: ExchangePlan) -> torch.Tensor:
     """Sum every rank's window values into the owners' blocks (the adjoint of ``fetch``;
     out-of-volume values are dropped). Differentiable; the backward is ``fetch``."""
     return _Reduce.apply(y, dim, plan)
+
+
+def fetch_all(x: torch.Tensor, steps: Sequence[tuple[int, ExchangePlan]], fill: float = 0.0) -> torch.Tensor:
+    """``_fetch`` along each ``(dim, plan)`` in order, without autograd (corners come along)."""
+    with torch.no_grad():
+        for dim, plan in steps:
+            x = _fetch(x, dim, plan, fill)
+    return x
+
+
+def reduce_all(y: torch.Tensor, steps: Sequence[tuple[int, ExchangePlan]]) -> torch.Tensor:
+    """The adjoint of ``fetch_all``: ``_reduce`` along the same dims in reverse order."""
+    with torch.no_grad():
+        for dim, plan in reversed(steps):
+            y = _reduce(y.contiguous(), dim, plan)
+    return y
+
+
+_executor: ThreadPoolExecutor | None = None
+
+
+def _forget_executor() -> None:  # a forked child (a DataLoader worker) has no helper thread
+    global _executor
+    _executor = None
+
+
+os.register_at_fork(after_in_child=_forget_executor)
+
+
+def in_background(fn: Callable[..., torch.Tensor], *args: Any) -> "Future[torch.Tensor]":
+    """Run ``fn(*args)`` on the halo thread (one per process, so exchanges keep their order).
+
+    The caller must wait for the result before it starts any other exchange: messages
+    between two ranks are matched in the order they are posted.
+    """
+    global _executor
+    if _executor is None:
+        threads = torch.get_num_threads()
+        _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="halo",
+                                       initializer=torch.set_num_threads, initargs=(threads,))
+    return _executor.submit(fn, *args)

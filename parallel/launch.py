@@ -7,7 +7,8 @@ Recognised, in this order:
 - ``mpirun``/``mpiexec`` (MPICH, Open MPI, or srun with PMI/PMIx): rank and size from
   mpi4py; rank 0 picks a free port and broadcasts ``host:port``;
 - ``srun`` without MPI (``SLURM_PROCID``, ``SLURM_NTASKS``): the first host of
-  ``SLURM_JOB_NODELIST`` and a port derived from ``SLURM_JOB_ID`` (``MASTER_PORT`` wins);
+  ``SLURM_STEP_NODELIST`` (else ``SLURM_JOB_NODELIST``) and a port derived from
+  ``SLURM_JOB_ID`` (``MASTER_PORT`` wins);
 - plain ``python``: a world of one.
 
 NCCL when CUDA is present, gloo otherwise; one device per local rank.
@@ -32,6 +33,7 @@ log = logging.getLogger("parallel")
 _MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_SIZE")
 _MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
 _LOCAL_RANK_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
+_STORE_ADDRESS: tuple[str, int] | None = None  # set by init: where the rendezvous store listens
 
 
 def free_port(host: str = "") -> int:
@@ -84,11 +86,23 @@ def _mpi_rendezvous() -> tuple[int, int, int, str]:
     return rank, size, local_rank, f"tcp://{address}"
 
 
+def store_address() -> tuple[str, int] | None:
+    """``(host, port)`` of the job's rendezvous TCPStore (None for a world of one or an
+    externally initialised group); the watchdog opens its own connection to it."""
+    return _STORE_ADDRESS
+
+
 def _env_int(names: Sequence[str], default: int = 0) -> int:
     for name in names:
         if name in os.environ:
             return int(os.environ[name])
     return default
+
+
+def env_rank() -> int:
+    """This process's rank in the job as the launcher's variables tell it, before ``init``
+    (torchrun, MPI, srun; 0 for a plain process): who writes shared files and logs early."""
+    return _env_int(("RANK", *_MPI_RANK_VARS, "SLURM_PROCID"))
 
 
 def init(spatial: Sequence[int] = (1, 1, 1), *, backend: str | None = None,
@@ -99,7 +113,9 @@ def init(spatial: Sequence[int] = (1, 1, 1), *, backend: str | None = None,
     ``world / (sd * sh * sw)`` ranks. ``timeout_s`` bounds every collective, so a dead
     peer ends the job instead of hanging it.
     """
+    global _STORE_ADDRESS
     launcher = "external" if dist.is_initialized() else detect_launcher()
+    _STORE_ADDRESS = None
     local_rank = _env_int(_LOCAL_RANK_VARS)
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
@@ -111,24 +127,32 @@ def init(spatial: Sequence[int] = (1, 1, 1), *, backend: str | None = None,
 
     if launcher == "torchrun":
         dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        _STORE_ADDRESS = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     elif launcher == "mpi":
         rank, size, local_rank, address = _mpi_rendezvous()
         if device.type == "cuda":
             device = torch.device("cuda", local_rank % torch.cuda.device_count())
             torch.cuda.set_device(device)
         dist.init_process_group(backend, init_method=address, rank=rank, world_size=size, timeout=timeout)
+        host, port = address.removeprefix("tcp://").rsplit(":", 1)
+        _STORE_ADDRESS = (host, int(port))
     elif launcher == "slurm":
-        host = os.environ.get("MASTER_ADDR") or first_slurm_host(os.environ["SLURM_JOB_NODELIST"])
+        # The step's first node, not the job's: concurrent steps (weak scaling) each rendezvous on their own.
+        host = os.environ.get("MASTER_ADDR") or first_slurm_host(
+            os.environ.get("SLURM_STEP_NODELIST") or os.environ["SLURM_JOB_NODELIST"])
         port = int(os.environ.get("MASTER_PORT") or 20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000)
         dist.init_process_group(backend, init_method=f"tcp://{host}:{port}",
                                 rank=int(os.environ["SLURM_PROCID"]),
                                 world_size=int(os.environ["SLURM_NTASKS"]), timeout=timeout)
+        _STORE_ADDRESS = (host, port)
     elif launcher == "single":
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port('127.0.0.1')}",
                                 rank=0, world_size=1, timeout=timeout)
 
     grid = Grid.from_world(spatial, device=device, local_rank=local_rank, launcher=launcher)
     log.info("%s, backend %s", grid.describe(), backend)
+    from parallel.placement import log_placement  # here, not above: `python -m parallel.placement` stays clean
+    log_placement(grid)  # which node holds which ranks; warns when a spatial group spans nodes
     return grid
 
 

@@ -26,6 +26,7 @@ from parallel.layers.linear import SpatialFlatten, SpatialLinear
 from parallel.layers.norm import SpatialBatchNorm3d, SpatialGroupNorm, SpatialInstanceNorm3d
 from parallel.layers.pool import SpatialAvgPool3d, SpatialMaxPool3d
 from parallel.layers.shapes import ShapeTracker, infer_global_dims
+from parallel.recompute import checkpoint_blocks
 
 log = logging.getLogger("parallel")
 
@@ -166,12 +167,18 @@ class ParallelModule(nn.Module):
 
 
 def parallelize(model: nn.Module, grid: Grid, *, sync_batchnorm: bool = False,
-                bucket_mb: float = 25.0, seed: int | None = None) -> ParallelModule:
+                bucket_mb: float = 25.0, seed: int | None = None, overlap_halo: bool | None = None,
+                recompute: bool = False) -> ParallelModule:
     """The hybrid-parallel form of ``model`` for ``grid`` (layers converted in place).
 
     ``sync_batchnorm`` makes BatchNorm statistics span the data groups too (the global
     batch); otherwise each data group normalises its own rows, as under DDP. ``seed``
     seeds the dropout streams (default: torch's initial seed on the spatial root).
+    ``overlap_halo`` hides convolutions' halo exchanges behind their interiors (None: the
+    layer's default, off: on CPUs it costs more than the exchange it hides,
+    ``docs/performance.md``);
+    ``recompute`` keeps only each block's input and recomputes the block in the backward
+    (``parallel.recompute``): less memory, about one more forward of time.
     """
     model.to(grid.device)
     shapes = ShapeTracker(grid)
@@ -184,6 +191,12 @@ def parallelize(model: nn.Module, grid: Grid, *, sync_batchnorm: bool = False,
                 model.sync_data = sync_batchnorm
         _convert_children(model, "", grid, shapes, sync_batchnorm)
         _seed_dropout(model, grid, seed)
+        for m in model.modules():
+            if isinstance(m, SpatialConv3d) and overlap_halo is not None:
+                m.overlap = overlap_halo
+    if recompute:
+        n_blocks = checkpoint_blocks(model)
+        log.debug("recomputing %d blocks in the backward", n_blocks)
     if grid.world_size > 1:
         # Start every replica from the same weights, as DDP does.
         for tensor in list(model.parameters()) + list(model.buffers()):

@@ -99,3 +99,18 @@ def test_partial_shuffle_staging_reads_the_rest_from_the_source(tmp_path: Path) 
     more = stage(src, tmp_path / "local", grid, mode="shard", local_size=1, indices=incoming)
     assert more.files == len(incoming) and math.isclose(
         more.bytes, sum((src / f"s{i}.h5").stat().st_size for i in incoming if i not in shard))
+
+
+def test_block_staging_reused_with_another_split_restages(tmp_path: Path) -> None:
+    """The same staging directory, first for spatial (2,1,1), then (1,2,1): block_d0h0w0
+    names different extents, so the old block must not be taken for the new one."""
+    src = _make_source(tmp_path, n=2)
+    dest = tmp_path / "local"
+    first = Grid(spatial=(2, 1, 1), world_size=2, rank=0)
+    stage(src, dest, first, mode="blocks", local_size=1)
+    assert stage(src, dest, first, mode="blocks", local_size=1).bytes == 0  # same split: kept
+    second = Grid(spatial=(1, 2, 1), world_size=2, rank=0)
+    assert stage(src, dest, second, mode="blocks", local_size=1).bytes > 0
+    with h5py.File(dest / "block_d0h0w0" / "s0.h5", "r") as f, h5py.File(src / "s0.h5", "r") as g:
+        assert list(f.attrs["splits"].ravel()) == [1, 2, 1]
+        assert np.array_equal(f["volume"][...], g["volume"][:, :, :, 0:8, :])

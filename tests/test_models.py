@@ -138,7 +138,6 @@ def _split_loss_case(grid, logits, labels):
 @pytest.mark.parametrize("spatial", [(2, 1, 1), (1, 2, 2)], ids=["D2", "H2W2"])
 def test_dice_ce_split_equals_serial(pools, spatial):
     from parallel.grid import Grid
-    from parallel.scatter import gather  # noqa: F401  (needs the lead's scatter module)
 
     torch.manual_seed(1)
     logits = torch.randn(2, 3, 8, 6, 6)

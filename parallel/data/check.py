@@ -3,7 +3,9 @@
 Each file is opened, every field of the spec is checked for presence, dtype and shape,
 the sample counts must agree, and (``deep``, the default) every value is read, chunk by
 chunk, so that corrupt compressed chunks surface, and fields marked ``finite`` (targets,
-float images) or with a ``valid_range`` (labels) are checked value by value.
+float images) or with a ``valid_range`` (labels) are checked value by value. Without
+``deep`` the small scalar fields (targets) are still read and checked (``scalars``).
+The training loop's pre-flight check (``parallel.train.preflight``) calls ``check_file``.
 """
 
 from __future__ import annotations
@@ -25,17 +27,22 @@ log = logging.getLogger(__name__)
 SLAB_BYTES = 64 << 20
 
 
-def check_file(path: str | os.PathLike, spec: SampleSpec, deep: bool = True) -> list[str]:
-    """The problems of one sample file (empty when it is good)."""
+def check_file(path: str | os.PathLike, spec: SampleSpec, deep: bool = True,
+               volume: Sequence[int] | None = None, scalars: bool = True) -> list[str]:
+    """The problems of one sample file (empty when it is good).
+
+    ``volume``: the (D, H, W) every volume field must have (default: the file's first
+    volume field sets it). ``scalars``: without ``deep``, still read the scalar fields.
+    """
     path = Path(path)
     try:
         f = h5py.File(path, "r")
     except OSError as err:
-        return [f"cannot open as HDF5 ({err})"]
+        return [f"cannot open as HDF5 (corrupt or truncated?): {err}"]
     problems: list[str] = []
     with f:
         samples = None
-        volume = None
+        volume = tuple(int(v) for v in volume) if volume is not None else None
         for fs in spec.fields:
             if fs.name not in f or not isinstance(f[fs.name], h5py.Dataset):
                 problems.append(f"field {fs.name!r} is missing (has {sorted(f.keys())})")
@@ -56,7 +63,7 @@ def check_file(path: str | os.PathLike, spec: SampleSpec, deep: bool = True) -> 
             if tuple(dset.shape[1:]) != want:
                 problems.append(f"field {fs.name!r} has sample shape {tuple(dset.shape[1:])}, want {want}")
                 continue
-            if deep:
+            if deep or (scalars and fs.kind == "scalar"):
                 problems.extend(_check_values(dset, fs))
         n_attr = f.attrs.get("samples")
         if n_attr is not None and samples is not None and int(n_attr) != samples:
@@ -88,9 +95,10 @@ def _check_values(dset: h5py.Dataset, fs: FieldSpec) -> list[str]:
             lo, hi = fs.valid_range
             bad_range += int(np.count_nonzero((data < lo) | (data > hi)))
     if bad_finite:
-        problems.append(f"field {fs.name!r} has {bad_finite} non-finite values")
+        problems.append(f"field {fs.name!r} has {bad_finite} non-finite values (NaN or inf), want all finite")
     if bad_range:
-        problems.append(f"field {fs.name!r} has {bad_range} values outside {list(fs.valid_range)}")
+        problems.append(f"field {fs.name!r} has {bad_range} values outside {list(fs.valid_range)}, "
+                        "want all inside")
     return problems
 
 

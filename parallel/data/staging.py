@@ -139,9 +139,20 @@ def _copy_file(src: Path, out: Path) -> int:
 
 
 def _copy_block(src: Path, out: Path, grid: Any, coords: tuple[int, int, int]) -> int:
-    """Write the block at ``coords`` of every sample of ``src`` as a smaller sample file."""
+    """Write the block at ``coords`` of every sample of ``src`` as a smaller sample file.
+
+    A block already staged is kept only if it was cut for the same split: a staging
+    directory reused with another grid holds other extents under the same block name.
+    """
     if out.exists():
-        return 0
+        try:
+            with h5py.File(out, "r") as g:
+                splits = tuple(int(v) for v in np.asarray(g.attrs.get("splits", ())).ravel())
+        except OSError:
+            splits = ()
+        if splits == tuple(grid.spatial):
+            return 0
+        log.info("%s was staged for spatial %s, not %s: staging it again", out, list(splits), list(grid.spatial))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
     try:

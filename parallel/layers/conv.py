@@ -21,6 +21,7 @@ from torch import nn
 
 from parallel.halo import ExchangePlan, fetch, reduce
 from parallel.layers.base import SpatialMixin, sliding_windows
+from parallel.layers.overlap import OverlapConv, OverlapPlan, interior, overlap_plan
 from parallel.partition import DIM_NAMES, SplitError, block_bounds
 
 
@@ -35,12 +36,23 @@ def conv_pads(conv: nn.Conv3d, axis: int) -> tuple[int, int]:
 
 
 class SpatialConv3d(SpatialMixin, nn.Conv3d):
-    """``nn.Conv3d`` on this rank's block; equals the serial layer on the gathered volume."""
+    """``nn.Conv3d`` on this rank's block; equals the serial layer on the gathered volume.
 
-    def _geometry(self, dims: tuple[int, int, int]) -> tuple[tuple[int, ...], list[ExchangePlan | None]]:
+    ``overlap`` (``parallelize(..., overlap_halo=True)``) hides the halo exchange behind
+    the interior of the block, forward and backward (``parallel.layers.overlap``); blocks
+    too thin to have an interior take the plain path. Off by default: on CPUs the exchange
+    costs less than cutting the convolution into pieces (``docs/performance.md``).
+    """
+
+    overlap: bool = False
+
+    def _geometry(self, dims: tuple[int, int, int]) -> tuple[tuple[int, ...], list[ExchangePlan | None],
+                                                              OverlapPlan | None]:
         mode: Literal["constant", "circular"] = "circular" if self.padding_mode == "circular" else "constant"
         pads: list[int] = []
         plans: list[ExchangePlan | None] = []
+        out_len, block_len, offsets, spans = [], [], [], []
+        talks = thin = False
         for axis in range(3):
             n, k = dims[axis], self.kernel_size[axis]
             s, d = self.stride[axis], self.dilation[axis]
@@ -49,18 +61,41 @@ class SpatialConv3d(SpatialMixin, nn.Conv3d):
             if m < 1:
                 raise SplitError(f"{self.where}: input size {n} along dim {DIM_NAMES[axis]} is smaller "
                                  f"than the kernel's reach {d * (k - 1) + 1} (padding {left}+{right})")
+            spans.append(d * (k - 1) + 1)
             if self.grid.spatial[axis] == 1 and mode == "constant" and left == right:
                 pads.append(left)
                 plans.append(None)
+                out_len.append(m)
+                block_len.append(n)
+                offsets.append(0)
                 continue
-            windows = sliding_windows(self.output_bounds(axis, n, m), k, s, d, left)
+            bounds = self.output_bounds(axis, n, m)
+            windows = sliding_windows(bounds, k, s, d, left)
             plans.append(self.window_plan(axis, n, windows, mode))
             pads.append(0)
-        return tuple(pads), plans
+            blocks = block_bounds(n, self.grid.spatial[axis])
+            pos = self.grid.coords[axis]
+            out_len.append(bounds[pos][1] - bounds[pos][0])
+            block_len.append(blocks[pos][1] - blocks[pos][0])
+            offsets.append(windows[pos][0] - blocks[pos][0])
+            # The path is the same on every rank: the two order the halo reduction and the
+            # weight gradient's all-reduce differently, and mixing them would deadlock.
+            for (c, e), (b0, b1), (lo, hi) in zip(bounds, blocks, windows):
+                i0, i1 = interior(e - c, b1 - b0, lo - b0, s, spans[-1])
+                talks = talks or (lo, hi) != (b0, b1) or mode == "circular"
+                thin = thin or i1 <= i0
+        # Every windowed dim goes through the exchange chain, in the order of the plain path.
+        steps = [(a + 2, p) for a, p in enumerate(plans) if p is not None]
+        oplan = overlap_plan(steps, out_len, block_len, offsets, self.stride, spans) if talks and not thin else None
+        return tuple(pads), plans, oplan
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dims = self.global_dims(x)
-        pads, plans = self.cached(dims, lambda: self._geometry(dims))  # type: ignore[misc]
+        pads, plans, oplan = self.cached(dims, lambda: self._geometry(dims))  # type: ignore[misc]
+        if self.overlap and oplan is not None:
+            span = tuple(d * (k - 1) + 1 for k, d in zip(self.kernel_size, self.dilation))
+            return OverlapConv.apply(x, self.weight, self.bias, oplan,
+                                     (self.stride, pads, self.dilation, self.groups, span))
         for axis, plan in enumerate(plans):
             if plan is not None:
                 x = fetch(x, axis + 2, plan, 0.0)

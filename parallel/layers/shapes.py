@@ -77,6 +77,20 @@ class ShapeTracker:
         finally:
             self._key, self._calls = outer
 
+    def state(self) -> tuple:
+        """Where the current forward stands (for replaying a block under recomputation)."""
+        return self._key, dict(self._calls)
+
+    @contextlib.contextmanager
+    def replay(self, state: tuple) -> Iterator[None]:
+        """Run layers again as they ran from ``state`` on: the same cache keys, no collectives."""
+        outer = (self._key, self._calls)
+        self._key, self._calls = state[0], dict(state[1])
+        try:
+            yield
+        finally:
+            self._key, self._calls = outer
+
     def global_dims(self, layer: torch.nn.Module, x: torch.Tensor, where: str) -> tuple[int, int, int]:
         if self._key is None or self.grid.spatial_size == 1:
             return infer_global_dims(x, self.grid, where)

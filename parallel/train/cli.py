@@ -9,6 +9,7 @@ run writes its outputs (and the resolved ``config.yaml``) to ``run.dir``.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,8 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from parallel.train.config import to_dataclass
+from parallel.launch import env_rank
+from parallel.train.config import UnknownKeyError, to_dataclass
 from parallel.train.family import Family
 
 CONFIG_ROOT = Path(__file__).resolve().parents[2] / "configs"
@@ -37,7 +39,11 @@ def main(family: Family, config_name: str = "default") -> Any:
     def _run(cfg: DictConfig) -> Any:
         from parallel.train.loop import train
 
-        job = to_dataclass(cfg, family.config_class)
+        try:
+            job = to_dataclass(cfg, family.config_class)
+        except UnknownKeyError as err:  # one clean line, like Hydra's own override errors
+            print(f"bad config: {err}", file=sys.stderr)
+            raise SystemExit(2) from None
         _write_config(cfg, job)
         return train(job, family)
 
@@ -46,9 +52,7 @@ def main(family: Family, config_name: str = "default") -> Any:
 
 def _write_config(cfg: DictConfig, job: Any) -> None:
     """Rank 0 (by launcher env) saves the resolved config as ``run.dir/config.yaml``."""
-    import os
-
-    if int(os.environ.get("RANK", os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))) != 0:
+    if env_rank() != 0:
         return
     path = Path(job.run.dir) / "config.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -44,6 +44,17 @@ class Decay(Choice):
     cosine = "cosine"
 
 
+class NonFinite(Choice):
+    fail = "fail"
+    skip = "skip"
+
+
+class DataCheck(Choice):
+    none = "none"
+    quick = "quick"
+    deep = "deep"
+
+
 class Division(Choice):
     closed = "closed"
     open = "open"
@@ -80,16 +91,33 @@ class DataConfig:
     """Use only the first N training samples (0: all); for quick experiments."""
     max_val_samples: int = 0
     """Use only the first N validation samples (0: all)."""
+    check: DataCheck = DataCheck.quick
+    """Before training, check the sample files (ranks share them): ``quick`` opens each and
+    checks fields, dtypes, shapes, sample counts and the values of the small (scalar)
+    fields; ``deep`` also reads every voxel; ``none`` skips the check."""
+    nonfinite: NonFinite = NonFinite.fail
+    """A training sample whose input block holds NaN or inf: ``fail`` stops with the file's
+    name; ``skip`` leaves the sample out of its step and counts it (validation always fails)."""
 
 
 @dataclass
 class ParallelConfig:
     """The process grid."""
 
-    spatial: list[int] = field(default_factory=lambda: [1, 1, 1])
-    """Ways each sample is split along D, H, W; the data axis takes the remaining ranks."""
+    spatial: Any = field(default_factory=lambda: [1, 1, 1])
+    """Ways each sample is split along D, H, W; the data axis takes the remaining ranks.
+    ``auto``: the split ``python -m parallel.plan`` predicts fastest among those that fit."""
+    device_memory_gb: float = 0.0
+    """Memory per rank that ``spatial=auto`` may plan for (0: the GPU's, or host RAM / local ranks)."""
+    overlap_halo: bool = False
+    """Hide convolutions' halo exchanges behind their interiors, forward and backward (pays
+    where exchanges are slow next to compute; on CPUs it costs more than it hides)."""
     timeout_s: float = 600.0
-    """Bound on every collective: a dead peer ends the job instead of hanging it."""
+    """Bound on every collective, and how long a silent peer may go without a heartbeat:
+    a dead or hung peer ends the job instead of hanging it."""
+    heartbeat_s: float = 1.0
+    """Period of the watchdog's heartbeat and checks (a dead peer on the same host, or a
+    failure reported by any rank, stops every rank within about this long)."""
     backend: Optional[str] = None
     """torch.distributed backend (None: nccl on GPUs, gloo on CPUs)."""
 
@@ -124,6 +152,13 @@ class TrainConfig:
     """End the run at the first evaluation that reaches the target."""
     grad_clip: float = 0.0
     """Clip the gradient's global norm to this (0: off)."""
+    activation_checkpointing: bool = False
+    """Keep only each block's input and recompute the block in the backward (less memory, ~1/3 more compute)."""
+    nonfinite: NonFinite = NonFinite.fail
+    """A step whose loss or gradients are NaN or inf: ``fail`` stops the run (the last
+    checkpoint stays the last good one); ``skip`` drops the update and counts the step."""
+    max_skipped_steps: int = 20
+    """With ``nonfinite=skip``: stop after this many consecutive skipped steps."""
 
 
 @dataclass
@@ -174,6 +209,8 @@ class RunConfig:
     """Run directory: checkpoints/, metrics.jsonl, TensorBoard events, mlperf.log, summary.json."""
     checkpoint_every: int = 0
     """Also write ``last.pt`` every this many steps (0: only at epoch ends and at the end)."""
+    keep_checkpoints: int = 1
+    """Checkpoints kept: ``last.pt`` and, when above 1, the newest N as ``step_<step>.pt``."""
     log_every: int = 10
     """Write a metrics.jsonl line and TensorBoard scalars every this many steps."""
     progress: bool = True
@@ -218,12 +255,48 @@ class JobConfig:
     model: Any = None
 
 
+class UnknownKeyError(KeyError):
+    """A config key that no section declares (``+train.foo=1``, a typo in a YAML file)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def unknown_keys(cfg: Any, cls: type) -> list[str]:
+    """Dotted keys of ``cfg`` (a DictConfig) that the dataclass ``cls`` does not declare."""
+    from omegaconf import DictConfig, OmegaConf
+
+    def walk(node: Any, schema: Any, prefix: str) -> list[str]:
+        if not isinstance(node, DictConfig) or not isinstance(schema, DictConfig):
+            return []
+        if OmegaConf.get_type(schema) in (None, dict):  # a free-form mapping
+            return []
+        out = []
+        for key in node.keys():
+            name = f"{prefix}{key}"
+            if key not in schema:
+                out.append(name)
+            else:
+                out.extend(walk(node._get_node(key), schema._get_node(key), f"{name}."))
+        return out
+
+    return walk(cfg, OmegaConf.structured(cls), "")
+
+
 def to_dataclass(cfg: Any, cls: type) -> Any:
-    """A DictConfig composed by Hydra -> the typed dataclass tree (``OmegaConf.to_object``)."""
+    """A DictConfig composed by Hydra -> the typed dataclass tree (``OmegaConf.to_object``).
+
+    Raises ``UnknownKeyError`` naming every key ``cls`` does not declare (Hydra lets
+    ``+section.key=value`` add one, and the conversion would silently drop it).
+    """
     from omegaconf import OmegaConf
 
     if isinstance(cfg, cls):
         return cfg
+    unknown = unknown_keys(cfg, cls)
+    if unknown:
+        raise UnknownKeyError(f"unknown config key(s) {', '.join(unknown)}: no field of that name in "
+                              f"{cls.__name__} (python -m <model>.train --cfg job lists them all)")
     obj = OmegaConf.to_object(cfg)
     if not isinstance(obj, cls):
         raise TypeError(f"config resolved to {type(obj).__name__}, expected {cls.__name__}")

@@ -17,11 +17,56 @@ from typing import Any
 import torch
 
 from parallel.data import BlockDataset, GlobalShuffleSampler, make_loader, stage
+from parallel.data.reader import SampleReadError
 from parallel.grid import Grid
 from parallel.train.config import JobConfig
 from parallel.train.family import Family
 
 log = logging.getLogger("parallel.train")
+
+
+FINITE_KEY = "_finite"  # per-sample flag the loop reads when data.nonfinite=skip
+
+
+class CheckedDataset(BlockDataset):
+    """A ``BlockDataset`` that checks each block after the transform: a non-finite target
+    always fails; a non-finite input fails (``nonfinite="fail"``) or is flagged for the
+    loop to skip (``"skip"``: every sample then carries ``FINITE_KEY``). Errors name the
+    file, field, sample and this rank's block."""
+
+    def __init__(self, *args: Any, input_field: str, target_field: str, nonfinite: str = "fail",
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.input_field, self.target_field, self.nonfinite = input_field, target_field, str(nonfinite)
+
+    def load(self, index: int) -> tuple[dict[str, torch.Tensor], int, float]:
+        sample, nbytes, seconds = super().load(index)
+        for name in (self.target_field, self.input_field):
+            value = sample[name]
+            if not value.is_floating_point():
+                continue
+            bad = int(value.numel() - torch.isfinite(value).sum())
+            if bad == 0:
+                continue
+            path, row = self.locate(index)
+            where = f"{path}: field {name!r} sample {row}"
+            if name == self.input_field and self.nonfinite == "skip":
+                log.warning("%s: %d non-finite values in this rank's block; the sample is skipped", where, bad)
+                sample[FINITE_KEY] = torch.tensor(False)
+                return sample, nbytes, seconds
+            block = ""
+            if self.grid is not None and self.grid.spatial_size > 1 and name == self.input_field:
+                block = f" in this rank's block {self._block()}"
+            hint = " (data.nonfinite=skip skips such samples)" if name == self.input_field else ""
+            raise SampleReadError(f"{where}: {bad} non-finite values (NaN or inf) after the transform{block}, "
+                                  f"want all finite{hint}")
+        if self.nonfinite == "skip":
+            sample[FINITE_KEY] = torch.tensor(True)
+        return sample, nbytes, seconds
+
+    def _block(self) -> list[tuple[int, int]]:
+        shape = self.attrs.get("global_shape")
+        return list(self.grid.block_range(tuple(int(s) for s in shape))) if shape is not None else []
 
 
 @dataclass
@@ -59,11 +104,9 @@ def _count(n: int, limit: int, key: str, path: Path) -> int:
 def _loader(ds: BlockDataset, sampler: Any, cfg: JobConfig, grid: Grid, seed: int) -> Any:
     loader = make_loader(ds, sampler, num_workers=cfg.data.workers,
                          prefetch_factor=max(cfg.data.prefetch, 1), device=grid.device,
-                         persistent_workers=cfg.data.workers > 0)
-    # The DataLoader draws its workers' base seed from a generator at every epoch; a
-    # private one keeps the global RNG (plain dropout) independent of data loading, so a
-    # resumed run draws the same dropout masks as an uninterrupted one.
-    loader.loader.generator = torch.Generator().manual_seed(seed)
+                         persistent_workers=cfg.data.workers > 0, seed=seed)
+    # seed: a private generator for the workers' base seed keeps the global RNG (plain
+    # dropout) independent of data loading, so a resumed run draws the same dropout masks.
     return loader
 
 
@@ -81,10 +124,12 @@ def build_data(cfg: JobConfig, family: Family, grid: Grid) -> JobData:
         val_dir = Path(stage(str(val_dir), str(Path(cfg.data.stage_dir) / "val"), grid,
                              mode=mode, local_size=local).path)
     staging = time.perf_counter() - t0
-    train_ds = BlockDataset(train_dir, fields=fields, grid=grid, transform=family.transform,
-                            max_open_files=cfg.data.max_open_files)
-    val_ds = BlockDataset(val_dir, fields=fields, grid=grid, transform=family.transform,
-                          max_open_files=cfg.data.max_open_files)
+    check = dict(input_field=family.input_field, target_field=family.target_field)
+    train_ds = CheckedDataset(train_dir, fields=fields, grid=grid, transform=family.transform,
+                              max_open_files=cfg.data.max_open_files, nonfinite=str(cfg.data.nonfinite), **check)
+    # Validation never skips: a metric over fewer samples would not be the metric.
+    val_ds = CheckedDataset(val_dir, fields=fields, grid=grid, transform=family.transform,
+                            max_open_files=cfg.data.max_open_files, nonfinite="fail", **check)
     if family.transform_for is not None:
         train_ds.transform = family.transform_for(train_ds.attrs)
         val_ds.transform = family.transform_for(val_ds.attrs)

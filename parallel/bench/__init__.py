@@ -1,0 +1,2 @@
+"""Measurements of this machine: the code behind ``scripts/benchmark.py`` and the
+calibration of ``parallel.plan``."""

@@ -1,0 +1,70 @@
+"""Run a function on ``world`` spawned gloo ranks (one thread each) and collect results.
+
+For benchmarks and calibration, not tests (``tests/harness.py`` keeps pools alive across
+cases): a fresh set of ranks per call, so each measurement starts from a clean process
+(peak memory, caches). A failing rank fails the call with its traceback.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+from parallel.launch import free_port
+
+
+def _worker(rank: int, world: int, port: int, threads: int, fn: Callable[..., Any], args: tuple,
+            spatial: Sequence[int], results: Any) -> None:
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    import torch
+    import torch.distributed as dist
+
+    from parallel.grid import Grid
+
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=600))
+        grid = Grid.from_world(spatial)
+        results.put((rank, True, fn(grid, *args)))
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(world: int, fn: Callable[..., Any], *args: Any, spatial: Sequence[int] = (1, 1, 1),
+              threads: int = 1, timeout: float = 600.0) -> list[Any]:
+    """``fn(grid, *args)`` on every rank of a fresh ``world``; results in rank order."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port("127.0.0.1")
+    procs = [ctx.Process(target=_worker, args=(r, world, port, threads, fn, args, tuple(spatial), results),
+                         daemon=False) for r in range(world)]  # ranks may start loader workers
+    for p in procs:
+        p.start()
+    got: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(got) < world:
+            try:
+                rank, ok, value = results.get(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() > deadline or not all(p.is_alive() or p.exitcode == 0 for p in procs):
+                    raise RuntimeError(f"{getattr(fn, '__name__', fn)}: ranks did not finish "
+                                       f"(exit codes {[p.exitcode for p in procs]})") from None
+                continue
+            if not ok:
+                raise RuntimeError(f"{getattr(fn, '__name__', fn)} failed on rank {rank}:\n{value}")
+            got[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [got[r] for r in range(world)]

@@ -1,0 +1,144 @@
+"""Training-step time and peak memory of the models for a grid, on synthetic batches."""
+
+from __future__ import annotations
+
+import resource
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+import parallel
+from parallel.bench.timing import interleaved, median, ratio
+from parallel.grid import Grid
+from parallel.plan import build_model
+
+
+def make_model(name: str, size: Sequence[int], overrides: Sequence[str]) -> tuple[nn.Module, tuple[int, ...]]:
+    """A real (CPU) model built from the same config ``parallel.plan`` traces."""
+    _, in_shape, _ = build_model(name, size, overrides)  # validates the overrides
+    torch.manual_seed(0)
+    if name == "cosmoflow":
+        from cosmoflow.model import CosmoFlow, CosmoFlowConfig
+        from omegaconf import OmegaConf
+
+        over = OmegaConf.from_dotlist([o[len("model."):] for o in overrides if o.startswith("model.")])
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(CosmoFlowConfig), over))
+        return CosmoFlow(cfg, tuple(size)), in_shape
+    from omegaconf import OmegaConf
+
+    from unet3d.model import UNet3D, UNet3DConfig
+
+    over = OmegaConf.from_dotlist([o[len("model."):] for o in overrides if o.startswith("model.")])
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(UNet3DConfig), over))
+    return UNet3D(cfg), in_shape
+
+
+class Stepper:
+    """One model on one grid: ``step()`` runs forward, loss, backward and an SGD update."""
+
+    def __init__(self, grid: Grid, name: str, size: Sequence[int], overrides: Sequence[str], batch: int,
+                 overlap: bool = False, recompute: bool = False, active: bool = True) -> None:
+        self.active = active
+        if not active:
+            return
+        model, in_shape = make_model(name, size, overrides)
+        self.pmodel = parallel.parallelize(model, grid, overlap_halo=overlap, recompute=recompute)
+        self.opt = torch.optim.SGD(self.pmodel.parameters(), lr=1e-4, momentum=0.9)
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn((batch, *in_shape), generator=gen)
+        self.x = parallel.scatter(x, grid).clone() if grid.world_size > 1 else x  # the block only, as a reader gives
+
+    def step(self) -> None:
+        if not self.active:
+            return
+        out = self.pmodel(self.x)
+        out.float().square().mean().backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+
+def step_times(grid: Grid, name: str, size: Sequence[int], overrides: Sequence[str], batch: int,
+               trials: int, weak_size: Sequence[int] | None, overlap: bool) -> dict[str, Any]:
+    """On a 2-rank world: serial (rank 0 alone, one thread), spatial 2, data 2, and (weak
+    scaling) spatial 2 on a volume twice as deep, in interleaved trials."""
+    world = grid.world_group
+    serial_grid = Grid(spatial=(1, 1, 1), world_size=1, rank=0)
+    data_grid = Grid.from_world((1, 1, 1))
+    steppers = {
+        "serial": Stepper(serial_grid, name, size, overrides, batch, active=grid.rank == 0),
+        "spatial2": Stepper(grid, name, size, overrides, batch, overlap=overlap),
+    }
+    if batch % 2 == 0:
+        steppers["data2"] = Stepper(data_grid, name, size, overrides, batch)
+    if weak_size is not None:
+        steppers["spatial2_weak"] = Stepper(grid, name, weak_size, overrides, batch, overlap=overlap)
+    times = interleaved({k: s.step for k, s in steppers.items()}, trials, warmup=1, group=world)
+    out: dict[str, Any] = {"seconds": {k: median(v) for k, v in times.items()},
+                           "best_seconds": {k: min(v) for k, v in times.items()}}
+    out["strong_ratio_spatial2"] = ratio(times["spatial2"], times["serial"])
+    if "data2" in times:
+        out["strong_ratio_data2"] = ratio(times["data2"], times["serial"])
+    if "spatial2_weak" in times:
+        out["weak_efficiency_spatial2"] = 1.0 / ratio(times["spatial2_weak"], times["serial"])
+    return out
+
+
+def peak_memory(grid: Grid, name: str, size: Sequence[int], overrides: Sequence[str], batch: int,
+                recompute: bool, overlap: bool = False, steps: int = 1) -> dict[str, float]:
+    """Peak resident memory of this rank over ``steps`` steps, and its baseline before the model."""
+    import gc
+
+    gc.collect()
+    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    s = Stepper(grid, name, size, overrides, batch, overlap=overlap, recompute=recompute)
+    for _ in range(steps):
+        s.step()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"baseline_bytes": float(baseline), "peak_bytes": float(peak), "above_baseline": float(peak - baseline)}
+
+
+def loader_share(grid: Grid, files: list[str], name: str, size: int, overrides: Sequence[str], batch: int,
+                 workers: int, steps: int) -> dict[str, float]:
+    """Seconds per step and seconds waiting for data, reading blocks from ``files``."""
+    import time
+
+    from parallel.data import BlockDataset, make_loader
+
+    class Batches:
+        start_step = 0
+
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def __len__(self) -> int:
+            return steps
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            for i in range(steps):
+                yield [(i * batch + j) % self.n for j in range(batch)]
+
+        def set_epoch(self, epoch: int, start: int = 0) -> None:
+            pass
+
+    geometry = Grid(spatial=grid.spatial, world_size=grid.world_size, rank=grid.rank)  # picklable for workers
+    ds = BlockDataset(files, grid=geometry if grid.spatial_size > 1 else None)
+    loader = make_loader(ds, Batches(len(ds)), num_workers=workers, prefetch_factor=2)
+    s = Stepper(grid, name, (size,) * 3, overrides, batch)
+    from cosmoflow.fields import transform as cf_transform
+
+    wait = total = 0.0
+    t_start = time.perf_counter()
+    n = 0
+    for b, stats in loader:
+        x = cf_transform({"volume": b["volume"]})["volume"].float() if name == "cosmoflow" else b["volume"].float()
+        s.x = x
+        s.step()
+        if n > 0:  # the first batch includes starting the workers
+            wait += stats.wait_seconds
+        else:
+            t_start = time.perf_counter()
+        n += 1
+    total = time.perf_counter() - t_start
+    ds.close()
+    return {"steps": n - 1, "seconds": total, "wait_seconds": wait, "wait_share": wait / max(total, 1e-9)}

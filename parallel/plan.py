@@ -1,0 +1,457 @@
+"""Choose the (data x spatial) split: an alpha-beta-gamma model of one training step.
+
+In the spirit of LBANN's performance model for spatial parallelism: each layer's compute
+is its flops on the rank's block over a measured throughput (gamma, per conv shape, from
+``python scripts/benchmark.py calibrate``); each halo exchange, the Flatten+Linear
+all-reduce and the gradient all-reduce cost ``alpha + bytes / beta`` per message (ring
+all-reduce: ``2 (P-1) alpha + 2 (P-1)/P bytes / beta``); the halo is hidden behind the
+interior when the overlap is on. Memory per rank is the runtime's fixed baseline,
+weights, gradients and optimiser state, and the activations kept for the backward (only
+block inputs and one block's internals under recomputation). Bytes read per rank are
+the sample's stored bytes over the spatial size, times the local batch.
+
+    python -m parallel.plan --model cosmoflow --size 512 --devices 64 --device-memory 80GB \\
+        --set model.n_conv_blocks=7 --batch 64 --alpha 5e-6 --bandwidth 25e9 --compute-scale 100
+    python -m parallel.plan --model cosmoflow --size 64 --devices 2 --batch 2   # this machine
+
+``parallel.spatial=auto`` in a training config asks ``choose`` for the world size at hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+DEFAULT_CALIBRATION = Path(os.environ.get("SPATIALCNN_CALIBRATION",
+                                          Path(__file__).resolve().parents[1] / "runs" / "calibration.json"))
+
+
+@dataclass
+class Machine:
+    """Measured (or given) figures of one rank and the network between ranks."""
+
+    conv_flops: dict[str, Any] = field(default_factory=dict)
+    """Conv forward+backward flop/s per shape key ``cin-cout-k`` (one rank): a number, or
+    ``[[voxels, flop/s], ...]`` measured at several block sizes (interpolated in log voxels)."""
+    default_conv_flops: float = 2.0e10
+    """Conv flop/s for shapes not measured."""
+    mem_bandwidth: float = 2.0e9
+    """Bytes/s of element-wise and pooling layers (forward + backward traffic)."""
+    p2p_alpha: float = 5.0e-5
+    """Seconds per point-to-point message (latency)."""
+    p2p_beta: float = 1.0e9
+    """Point-to-point bytes/s."""
+    ar_alpha: float = 1.0e-4
+    """Seconds per all-reduce step."""
+    ar_beta: float = 1.0e9
+    """All-reduce bytes/s per link."""
+    layer_overhead: float = 2.0e-4
+    """Seconds of framework overhead per layer and step (Python, dispatch, bookkeeping)."""
+    spatial_layer_overhead: float = 1.0e-3
+    """Extra seconds per split layer and step (shape cache, plans, halo thread)."""
+    io_bandwidth: float = 5.0e8
+    """Bytes/s one rank reads from storage (and decodes)."""
+    baseline_memory: float = 3.0e8
+    """Bytes of a rank before the model: the runtime, torch, the process group."""
+
+    def flops(self, cin: int, cout: int, k: int, voxels: float | None = None,
+              shape: Sequence[int] | None = None) -> float:
+        """Measured throughput of this conv: at this block shape if measured (the library's
+        kernels differ by shape, not only by size), else interpolated in the voxel count."""
+        got = self.conv_flops.get(f"{cin}-{cout}-{k}", self.default_conv_flops)
+        if isinstance(got, (int, float)):
+            return float(got)
+        if shape is not None:
+            for pt in got:
+                if len(pt) > 2 and list(pt[2]) == list(shape):
+                    return float(pt[1])
+        pts = sorted((float(p[0]), float(p[1])) for p in got)
+        if voxels is None or len(pts) == 1 or voxels <= pts[0][0]:
+            return pts[0][1] if voxels is not None and voxels <= pts[0][0] else pts[-1][1]
+        if voxels >= pts[-1][0]:
+            return pts[-1][1]
+        for (v0, f0), (v1, f1) in zip(pts, pts[1:]):
+            if v0 <= voxels <= v1:
+                w = math.log(voxels / v0) / math.log(v1 / v0) if v1 > v0 else 0.0
+                return f0 + w * (f1 - f0)
+        return pts[-1][1]
+
+    def scaled(self, factor: float) -> None:
+        """Compute figures times ``factor`` (a faster device than the calibrated one)."""
+        self.conv_flops = {k: (v * factor if isinstance(v, (int, float)) else [[p[0], p[1] * factor, *p[2:]] for p in v])
+                           for k, v in self.conv_flops.items()}
+        self.default_conv_flops *= factor
+        self.mem_bandwidth *= factor
+
+    @classmethod
+    def load(cls, path: str | os.PathLike | None = None) -> "Machine":
+        """The calibration file if it exists, else the defaults above."""
+        p = Path(path) if path is not None else DEFAULT_CALIBRATION
+        if not p.is_file():
+            return cls()
+        data = json.loads(p.read_text(encoding="utf-8"))
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass
+class Layer:
+    """One leaf layer of the serial model, per sample (shapes without the batch dim)."""
+
+    kind: str          # conv, convT, pool, norm, linear, other
+    name: str
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    params: int
+    kernel: tuple[int, ...] = ()
+    stride: tuple[int, ...] = ()
+    halo: tuple[int, ...] = ()   # input voxels beyond the block on each side, per dim (D, H, W)
+    flops: float = 0.0           # forward multiply-adds x 2, per sample
+
+
+def trace(model: nn.Module, in_shape: Sequence[int]) -> list[Layer]:
+    """The leaf layers of ``model`` with their per-sample shapes (a forward on the meta device)."""
+    layers: list[Layer] = []
+    hooks = []
+
+    def hook(name: str):
+        def record(m: nn.Module, inputs: tuple, output: Any) -> None:
+            x = inputs[0]
+            y = output if isinstance(output, torch.Tensor) else output[0]
+            params = sum(p.numel() for p in m.parameters(recurse=False))
+            kind, kernel, stride, halo, flops = "other", (), (), (), 0.0
+            if isinstance(m, (nn.Conv3d, nn.ConvTranspose3d)):
+                kind = "conv" if isinstance(m, nn.Conv3d) else "convT"
+                kernel, stride = tuple(m.kernel_size), tuple(m.stride)
+                reach = [d * (k - 1) for k, d in zip(m.kernel_size, m.dilation)]
+                halo = tuple((r + 1) // 2 for r in reach) if kind == "conv" else (0, 0, 0)
+                per_out = 2 * m.in_channels // m.groups * math.prod(m.kernel_size)
+                flops = per_out * (y[0].numel() if kind == "conv" else x[0].numel() * m.out_channels)
+            elif isinstance(m, (nn.MaxPool3d, nn.AvgPool3d)):
+                kind = "pool"
+                k = m.kernel_size if isinstance(m.kernel_size, tuple) else (m.kernel_size,) * 3
+                kernel = tuple(k)
+                s = m.stride if m.stride is not None else m.kernel_size
+                stride = tuple(s) if isinstance(s, tuple) else (s,) * 3
+            elif isinstance(m, (nn.BatchNorm3d, nn.InstanceNorm3d, nn.GroupNorm)):
+                kind = "norm"
+            elif isinstance(m, nn.Linear):
+                kind = "linear"
+                flops = 2.0 * m.in_features * m.out_features
+            layers.append(Layer(kind, name, tuple(x.shape[1:]), tuple(y.shape[1:]), params,
+                                kernel, stride, halo, float(flops)))
+        return record
+
+    for name, m in model.named_modules():
+        if not list(m.children()):
+            hooks.append(m.register_forward_hook(hook(name)))
+    try:
+        model = model.to("meta")
+        with torch.no_grad():
+            model(torch.zeros((1, *in_shape), device="meta"))
+    finally:
+        for h in hooks:
+            h.remove()
+    return layers
+
+
+@dataclass
+class Options:
+    """What the step does besides the model: batch, precision of storage, switches."""
+
+    global_batch: int = 1
+    stored_bytes_per_voxel: float = 8.0   # all input channels of one voxel, as stored
+    overlap: bool = False
+    recompute: bool = False
+    optimizer_states: int = 1             # momentum (SGD) 1, AdamW 2
+    act_bytes: int = 4                    # fp32 activations
+
+
+def first_layer(layers: list[Layer], i: int) -> bool:
+    """Whether layer ``i`` reads the model input (no input gradient in the backward)."""
+    return layers[i].in_shape == layers[0].in_shape and all(
+        l.kind in ("other",) and l.in_shape == l.out_shape for l in layers[:i])
+
+
+def _local(shape: Sequence[int], spatial: Sequence[int]) -> list[int]:
+    """Largest block of a (C, D, H, W) tensor split ``spatial`` ways (lower ranks are larger)."""
+    return [shape[0], *(math.ceil(n / s) for n, s in zip(shape[1:], spatial))]
+
+
+def valid(layers: list[Layer], spatial: Sequence[int]) -> bool:
+    """Every 5-D activation has at least one voxel per block along every split dim."""
+    for layer in layers:
+        for shape in (layer.in_shape, layer.out_shape):
+            if len(shape) == 4 and any(n < s for n, s in zip(shape[1:], spatial)):
+                return False
+    return True
+
+
+def predict(layers: list[Layer], machine: Machine, data: int, spatial: Sequence[int],
+            opts: Options) -> dict[str, float]:
+    """Predicted seconds per step, bytes of memory and bytes read per rank for one split."""
+    s = math.prod(spatial)
+    world = data * s
+    batch = math.ceil(opts.global_batch / data)
+    compute = comm = exposed = overhead = 0.0
+    act = 0.0
+    block_act = block_max = 0.0
+    params = 0
+    for i, layer in enumerate(layers):
+        params += layer.params
+        out_local = _local(layer.out_shape, spatial) if len(layer.out_shape) == 4 else list(layer.out_shape)
+        in_local = _local(layer.in_shape, spatial) if len(layer.in_shape) == 4 else list(layer.in_shape)
+        frac = math.prod(out_local) / max(math.prod(layer.out_shape), 1)
+        split_layer = s > 1 and len(layer.in_shape) == 4
+        overhead += machine.layer_overhead + (machine.spatial_layer_overhead if split_layer else 0.0)
+        out_bytes = math.prod(out_local) * opts.act_bytes * batch
+        in_bytes = math.prod(in_local) * opts.act_bytes * batch
+        if layer.kind in ("conv", "convT"):
+            cin, cout = layer.in_shape[0], layer.out_shape[0]
+            k = layer.kernel[0] if layer.kernel else 1
+            passes = 2.0 if first_layer(layers, i) else 3.0   # fwd, weight grad, input grad
+            voxels = math.prod(out_local[1:]) * batch
+            t = passes * layer.flops * frac * batch / machine.flops(cin, cout, k, voxels, out_local[1:])
+            compute += t
+            if split_layer and layer.kind == "conv":
+                halo_t = 0.0
+                for a, parts in enumerate(spatial):
+                    if parts > 1 and layer.halo[a] > 0:
+                        face = in_bytes / in_local[a + 1] * layer.halo[a]
+                        halo_t += 2 * (2 * machine.p2p_alpha + 2 * face / machine.p2p_beta)  # fwd + bwd
+                comm += halo_t
+                if opts.overlap:
+                    interior = min(1.0, max(0.0, 1 - 2 * max(layer.halo) / max(min(in_local[1:]), 1)))
+                    exposed += max(0.0, halo_t - t * interior)
+                else:
+                    exposed += halo_t
+            elif split_layer:  # transposed conv: partial outputs summed into owners
+                halo_t = 2 * (2 * machine.p2p_alpha + 2 * out_bytes / out_local[1] / machine.p2p_beta)
+                comm += halo_t
+                exposed += halo_t
+        elif layer.kind == "linear":
+            compute += 3.0 * layer.flops * batch / machine.default_conv_flops
+            if len(layer.in_shape) == 4 and s > 1:  # Flatten+Linear partial products: all-reduce
+                nbytes = layer.out_shape[0] * batch * opts.act_bytes
+                t = 2 * (2 * (s - 1) * machine.ar_alpha + 2 * (s - 1) / s * nbytes / machine.ar_beta)
+                comm += t
+                exposed += t
+        else:
+            compute += 3.0 * (in_bytes + out_bytes) / machine.mem_bandwidth
+        saved = out_bytes + (in_bytes if layer.kind in ("conv", "convT", "pool") else 0.0)
+        act += saved
+        block_act += saved
+        if layer.kind == "pool":
+            block_max = max(block_max, block_act)
+            block_act = 0.0
+    block_max = max(block_max, block_act)
+    if opts.recompute:  # block inputs kept, one block's internals live at a time
+        inputs = [layers[0].in_shape] + [l.out_shape for l in layers if l.kind == "pool"]
+        kept = sum(math.prod(_local(shape, spatial)) * opts.act_bytes * batch
+                   for shape in inputs if len(shape) == 4)
+        act = kept + block_max
+        compute *= 4.0 / 3.0  # one more forward
+    grad_bytes = params * 4
+    allreduce = 0.0
+    if world > 1:
+        allreduce = 2 * (world - 1) * machine.ar_alpha + 2 * (world - 1) / world * grad_bytes / machine.ar_beta
+    step = compute + exposed + allreduce + overhead
+    memory = machine.baseline_memory + params * 4 * (2 + opts.optimizer_states) + act
+    read = opts.stored_bytes_per_voxel * math.prod(layers[0].in_shape[1:]) / s * batch
+    return {"step_s": step, "compute_s": compute, "halo_s": comm, "exposed_comm_s": exposed,
+            "allreduce_s": allreduce, "overhead_s": overhead, "memory_bytes": memory,
+            "activation_bytes": act, "read_bytes": read, "io_s": read / machine.io_bandwidth}
+
+
+def splits(devices: int, layers: list[Layer], max_data: int | None = None) -> list[tuple[int, tuple[int, int, int]]]:
+    """Every (data, (sd, sh, sw)) with data x sd x sh x sw = devices that the model allows."""
+    out = []
+    for d in range(1, devices + 1):
+        if devices % d or (max_data is not None and d > max_data):
+            continue
+        s = devices // d
+        for sd in range(1, s + 1):
+            for sh in range(1, s // sd + 1):
+                if s % (sd * sh):
+                    continue
+                sw = s // (sd * sh)
+                if sd >= sh >= sw and valid(layers, (sd, sh, sw)):  # D first: contiguous slabs
+                    out.append((d, (sd, sh, sw)))
+    return out
+
+
+def table(layers: list[Layer], machine: Machine, devices: int, memory_limit: float,
+          opts: Options) -> list[dict[str, Any]]:
+    """One row per split, fastest first; ``fits`` and ``best`` marked."""
+    rows = []
+    for d, sp in splits(devices, layers, max_data=opts.global_batch):
+        p = predict(layers, machine, d, sp, opts)
+        rows.append({"data": d, "spatial": list(sp), **p, "fits": p["memory_bytes"] <= memory_limit})
+    rows.sort(key=lambda r: r["step_s"])
+    for r in rows:
+        r["best"] = False
+    fitting = [r for r in rows if r["fits"]]
+    if fitting:
+        fitting[0]["best"] = True
+    return rows
+
+
+def choose(layers: list[Layer], machine: Machine, devices: int, memory_limit: float,
+           opts: Options) -> tuple[int, int, int]:
+    """The spatial split of the fastest row that fits (the smallest-memory row if none fits)."""
+    rows = table(layers, machine, devices, memory_limit, opts)
+    if not rows:
+        raise ValueError(f"no (data x spatial) split of {devices} devices suits this model")
+    best = next((r for r in rows if r["best"]), min(rows, key=lambda r: r["memory_bytes"]))
+    return tuple(best["spatial"])  # type: ignore[return-value]
+
+
+# -- parallel.spatial=auto ----------------------------------------------------------------
+
+def world_size_from_env(env: dict[str, str] | None = None) -> int:
+    """The job's world size as the launcher announces it (before torch.distributed starts)."""
+    env = dict(os.environ) if env is None else env
+    for key in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS"):
+        if env.get(key, "").isdigit():
+            return int(env[key])
+    return 1
+
+
+def _memory_per_rank(cfg: Any) -> float:
+    if cfg.parallel.device_memory_gb > 0:
+        return cfg.parallel.device_memory_gb * 1e9
+    if torch.cuda.is_available():
+        return float(torch.cuda.get_device_properties(0).total_memory)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", "1")) or 1)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(local, 1)
+
+
+def auto_spatial(cfg: Any, family: Any, world_size: int | None = None) -> list[int]:
+    """``parallel.spatial=auto``: the spatial split of the fastest (data x spatial) split that
+    fits, for this job's model, sample volume, global batch and world size.
+
+    Every rank computes it from the same inputs (config, the first training file's volume,
+    the calibration file), so all choose the same split without talking.
+    """
+    import h5py
+
+    from parallel.data.format import sample_files
+    from parallel.train.preflight import sample_spec
+
+    world = world_size if world_size is not None else world_size_from_env()
+    spec = sample_spec(family)
+    field_spec = spec[family.input_field]
+    files = sample_files(Path(cfg.data.dir) / cfg.data.train_subdir)
+    if not files:
+        raise ValueError(f"parallel.spatial=auto: no sample files under {cfg.data.dir}/{cfg.data.train_subdir}")
+    with h5py.File(files[0], "r") as f:
+        shape = f.attrs.get("global_shape")
+        if shape is None:
+            shape = f[field_spec.name].shape[-3:]
+        dtype_bytes = f[field_spec.name].dtype.itemsize
+    volume = tuple(int(v) for v in shape)
+    channels = field_spec.channels or 1
+    with torch.device("meta"):
+        model = family.build_model(cfg.model, volume)
+    layers = trace(model, (channels, *volume))
+    opts = Options(global_batch=max(1, cfg.train.global_batch_size // cfg.train.accum_steps),
+                   stored_bytes_per_voxel=dtype_bytes * channels, overlap=cfg.parallel.overlap_halo,
+                   recompute=cfg.train.activation_checkpointing,
+                   optimizer_states=2 if str(cfg.optim.name) == "adamw" else 1)
+    spatial = choose(layers, Machine.load(), world, _memory_per_rank(cfg), opts)
+    return list(spatial)
+
+
+# -- models by name ------------------------------------------------------------------------
+
+def build_model(name: str, size: Sequence[int], overrides: Sequence[str] = ()) -> tuple[nn.Module, tuple[int, ...], float]:
+    """(model, per-sample input shape, stored bytes per voxel) for ``cosmoflow`` or ``unet3d``."""
+    from omegaconf import OmegaConf
+
+    model_over = OmegaConf.from_dotlist([o[len("model."):] for o in overrides if o.startswith("model.")])
+    if name == "cosmoflow":
+        from cosmoflow.model import CosmoFlow, CosmoFlowConfig
+
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(CosmoFlowConfig), model_over))
+        with torch.device("meta"):
+            model = CosmoFlow(cfg, tuple(size))
+        return model, (cfg.in_channels, *size), 2.0 * cfg.in_channels   # int16 counts
+    if name == "unet3d":
+        from unet3d.model import UNet3D, UNet3DConfig
+
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(UNet3DConfig), model_over))
+        with torch.device("meta"):
+            model = UNet3D(cfg)
+        return model, (cfg.in_channels, *size), 4.0 * cfg.in_channels + 1  # float32 image, uint8 label
+    raise ValueError(f"unknown model {name!r}: cosmoflow or unet3d")
+
+
+def parse_bytes(text: str) -> float:
+    """``80GB``, ``512MiB``, ``1e9`` -> bytes."""
+    t = text.strip().upper()
+    for suffix, mult in (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("TB", 1e12), ("GB", 1e9),
+                         ("MB", 1e6), ("KB", 1e3), ("B", 1)):
+        if t.endswith(suffix):
+            return float(t[: -len(suffix)]) * mult
+    return float(t)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="cosmoflow", choices=["cosmoflow", "unet3d"])
+    p.add_argument("--size", type=int, nargs="+", default=[128], help="sample D H W (one number: a cube)")
+    p.add_argument("--set", nargs="*", default=[], help="model overrides, e.g. model.n_conv_blocks=7")
+    p.add_argument("--devices", type=int, required=True)
+    p.add_argument("--device-memory", default="inf", help="bytes per device, e.g. 80GB")
+    p.add_argument("--batch", type=int, default=None, help="global batch (default: devices)")
+    p.add_argument("--calibration", default=None, help=f"JSON from calibrate (default {DEFAULT_CALIBRATION})")
+    p.add_argument("--compute-scale", type=float, default=1.0, help="device flop/s over the calibrated rank's")
+    p.add_argument("--alpha", type=float, default=None, help="network latency, seconds per message")
+    p.add_argument("--bandwidth", type=float, default=None, help="network bytes/s per link")
+    p.add_argument("--io-bandwidth", type=float, default=None, help="storage bytes/s per rank")
+    p.add_argument("--overlap", action="store_true", help="halo exchanges hidden behind the interior")
+    p.add_argument("--recompute", action="store_true", help="activation checkpointing per block")
+    p.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
+    args = p.parse_args(argv)
+    size = args.size * 3 if len(args.size) == 1 else args.size
+    model, in_shape, stored = build_model(args.model, size, args.set)
+    layers = trace(model, in_shape)
+    m = Machine.load(args.calibration)
+    if args.compute_scale != 1.0:
+        m.scaled(args.compute_scale)
+    if args.alpha is not None:
+        m.p2p_alpha = m.ar_alpha = args.alpha
+    if args.bandwidth is not None:
+        m.p2p_beta = m.ar_beta = args.bandwidth
+    if args.io_bandwidth is not None:
+        m.io_bandwidth = args.io_bandwidth
+    opts = Options(global_batch=args.batch or args.devices, stored_bytes_per_voxel=stored,
+                   overlap=args.overlap, recompute=args.recompute)
+    rows = table(layers, m, args.devices, parse_bytes(args.device_memory), opts)
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+        return 0
+    print(f"{args.model} {'x'.join(map(str, size))}, {args.devices} devices, global batch {opts.global_batch}, "
+          f"memory limit {args.device_memory} per device")
+    print(f"{'data':>5} {'spatial':>9} {'step s':>9} {'compute':>9} {'comm':>8} {'mem/rank GiB':>13} "
+          f"{'read/rank MiB':>14}  ")
+    for r in rows:
+        mark = "<- fastest that fits" if r["best"] else ("" if r["fits"] else "(does not fit)")
+        print(f"{r['data']:>5} {'x'.join(map(str, r['spatial'])):>9} {r['step_s']:>9.3f} {r['compute_s']:>9.3f} "
+              f"{r['exposed_comm_s'] + r['allreduce_s']:>8.3f} {r['memory_bytes'] / 2**30:>13.2f} "
+              f"{r['read_bytes'] / 2**20:>14.1f}  {mark}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

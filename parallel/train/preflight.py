@@ -1,0 +1,263 @@
+"""Checks before training: bad input stops the job with one clear message, up front.
+
+``validate_config`` checks the values Hydra's types cannot (lengths, signs, ranges) and
+names the key. ``check_data`` (collective) checks the sample files of the train and val
+splits, each rank a share of the files (``parallel.data.check.check_file``: readable
+HDF5, fields, dtypes, shapes, sample counts, finite targets; ``data.check=deep`` reads
+every voxel), and that the grid can split the volume. ``check_model`` runs the serial
+model on a meta tensor of the global volume (no memory, no compute) and checks that
+every activation along a split dim still has a voxel per block, naming the layer
+otherwise. Every rank raises the same ``InputError``, so the job ends cleanly without
+waiting for a timeout. See ``docs/failures.md``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel.data.check import check_file
+from parallel.data.format import SampleSpec, read_manifest, sample_files
+from parallel.grid import Grid
+from parallel.partition import DIM_NAMES, SplitError
+from parallel.train.config import JobConfig
+from parallel.train.family import Family
+
+log = logging.getLogger("parallel.train")
+
+MAX_LISTED = 8  # problems quoted in the message; the rest are counted
+
+
+class InputError(ValueError):
+    """Bad data, config or model/grid combination, found before training. Raised alike on
+    every rank (``collective``), so only rank 0 needs to report it."""
+
+    collective = True
+
+
+class ConfigError(InputError):
+    """A config value that cannot work; the message names the key."""
+
+
+def validate_config(cfg: JobConfig) -> None:
+    """Raise ``ConfigError`` naming the first key whose value cannot work."""
+    spatial = cfg.parallel.spatial
+    spatial_ok = isinstance(spatial, (list, tuple)) and len(spatial) == 3 and all(
+        isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in spatial)
+    checks: list[tuple[bool, str]] = [
+        (spatial_ok, f"parallel.spatial={spatial}: want three positive ints [sd, sh, sw]"),
+        (cfg.parallel.timeout_s > 0, f"parallel.timeout_s={cfg.parallel.timeout_s}: want > 0"),
+        (cfg.parallel.heartbeat_s > 0, f"parallel.heartbeat_s={cfg.parallel.heartbeat_s}: want > 0"),
+        (cfg.train.global_batch_size >= 1,
+         f"train.global_batch_size={cfg.train.global_batch_size}: want >= 1"),
+        (cfg.train.accum_steps >= 1, f"train.accum_steps={cfg.train.accum_steps}: want >= 1"),
+        (cfg.train.epochs >= 1, f"train.epochs={cfg.train.epochs}: want >= 1"),
+        (cfg.train.max_steps >= 0, f"train.max_steps={cfg.train.max_steps}: want >= 0"),
+        (cfg.train.max_skipped_steps >= 0, f"train.max_skipped_steps={cfg.train.max_skipped_steps}: want >= 0"),
+        (cfg.data.workers >= 0, f"data.workers={cfg.data.workers}: want >= 0"),
+        (cfg.run.keep_checkpoints >= 1, f"run.keep_checkpoints={cfg.run.keep_checkpoints}: want >= 1"),
+        (cfg.run.log_every >= 1, f"run.log_every={cfg.run.log_every}: want >= 1"),
+        (cfg.run.checkpoint_every >= 0, f"run.checkpoint_every={cfg.run.checkpoint_every}: want >= 0"),
+        (cfg.optim.lr > 0, f"optim.lr={cfg.optim.lr}: want > 0"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+
+
+def check_world(spatial: Sequence[int], world_size: int) -> None:
+    """``ConfigError`` when ``parallel.spatial`` does not divide the world."""
+    size = 1
+    for s in spatial:
+        size *= int(s)
+    if world_size % size:
+        sd, sh, sw = (int(s) for s in spatial)
+        raise ConfigError(f"parallel.spatial=[{sd},{sh},{sw}] needs a multiple of {size} ranks, the job has "
+                          f"{world_size}: data x spatial({sd}x{sh}x{sw}) cannot equal {world_size}")
+
+
+def sample_spec(family: Family) -> SampleSpec:
+    """The family's sample spec (``<family>.fields.SPEC``), limited to the fields trained on."""
+    spec = getattr(family, "spec", None) or importlib.import_module(f"{family.name}.fields").SPEC
+    wanted = (family.input_field, family.target_field)
+    return SampleSpec(spec.name, tuple(f for f in spec.fields if f.name in wanted), spec.attrs)
+
+
+def _readable_dir(path: Path, key: str) -> None:
+    if not path.exists():
+        raise InputError(f"{key}: {path} does not exist")
+    if not path.is_dir():
+        raise InputError(f"{key}: {path} is not a directory")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise InputError(f"{key}: {path} is not readable (permissions)")
+
+
+def _files(root: Path, key: str) -> tuple[list[Path], dict[str, int]]:
+    """The sample files of a split and the sample counts its manifest claims."""
+    _readable_dir(root, key)
+    try:
+        manifest = read_manifest(root)
+    except (OSError, ValueError) as err:
+        raise InputError(f"{key}: {root / 'manifest.json'} cannot be read ({err}); rewrite it with "
+                         "parallel.data.write_manifest") from err
+    counts: dict[str, int] = {}
+    if manifest is not None:
+        try:
+            counts = {str(e["name"]): int(e["samples"]) for e in manifest["files"]}
+        except (KeyError, TypeError, ValueError) as err:
+            raise InputError(f"{key}: {root / 'manifest.json'} has no valid 'files' list "
+                             f"of {{name, samples}} ({err})") from err
+    files = sample_files(root)
+    if not files:
+        raise InputError(f"{key}: {root} holds no sample files (*.h5, *.hdf5)")
+    return files, counts
+
+
+def _first_volume(path: Path, field: str, key: str) -> tuple[int, int, int]:
+    import h5py
+
+    try:
+        with h5py.File(path, "r") as f:
+            shape = f.attrs.get("global_shape")
+            if shape is None and field in f and f[field].ndim >= 4:
+                shape = f[field].shape[-3:]
+    except OSError as err:
+        raise InputError(f"{key}: {path}: cannot open as HDF5 (corrupt or truncated?): {err}") from err
+    if shape is None or len(shape) != 3:
+        raise InputError(f"{key}: {path}: no global_shape attribute and no volume field {field!r} "
+                         "to take the volume from")
+    return tuple(int(s) for s in shape)  # type: ignore[return-value]
+
+
+def _manifest_problems(path: Path, claimed: int | None) -> list[str]:
+    if claimed is None:
+        return []
+    import h5py
+
+    try:
+        with h5py.File(path, "r") as f:
+            n = f.attrs.get("samples")
+    except OSError:
+        return []  # check_file reports it
+    if n is not None and int(n) != claimed:
+        return [f"manifest.json lists {claimed} samples, the file holds {int(n)}"]
+    return []
+
+
+def check_data(cfg: JobConfig, family: Family, grid: Grid) -> tuple[int, int, int]:
+    """Check both splits' files (collective; each rank a share); the global volume.
+
+    Raises ``InputError`` on every rank, quoting the first problems with their files.
+    """
+    spec = sample_spec(family)
+    volume_field = spec[family.input_field].name
+    mode = str(cfg.data.check)
+    splits = [("train", cfg.data.train_subdir), ("val", cfg.data.val_subdir)]
+    root = Path(cfg.data.dir)
+    if not root.is_dir() or not os.access(root, os.R_OK | os.X_OK):
+        _readable_dir(root, "data.dir")
+    roots = []
+    for split, sub in splits:
+        path = root / sub
+        if not path.exists():
+            raise InputError(
+                f"data.dir={cfg.data.dir!r} has no {sub}/ directory ({path}); generate a set with "
+                f"`python -m {family.name}.prepare synthetic --out {cfg.data.dir}` or point data.dir at one")
+        roots.append((f"data.{split}_subdir", path))
+    listed = [(key, path, *_files(path, key)) for key, path in roots]
+    volume = _first_volume(listed[0][2][0], volume_field, listed[0][0])
+    try:
+        grid.block_range(volume)
+    except SplitError as err:
+        raise InputError(f"parallel.spatial={list(grid.spatial)} cannot split the volume {list(volume)} of "
+                         f"{listed[0][1]}: {err}") from err
+    problems: list[str] = []
+    if mode != "none":
+        every = [(p, counts.get(p.name)) for _, _, files, counts in listed for p in files]
+        for i in range(grid.rank, len(every), grid.world_size):
+            path, claimed = every[i]
+            found = check_file(path, spec, deep=(mode == "deep"), volume=volume)
+            found += _manifest_problems(path, claimed)
+            problems.extend(f"{path}: {p}" for p in found)
+    problems = _gather_lines(problems, grid)
+    if problems:
+        more = f" (and {len(problems) - MAX_LISTED} more)" if len(problems) > MAX_LISTED else ""
+        raise InputError(f"{len(problems)} problem(s) in the sample files of data.dir={cfg.data.dir!r}{more}:\n  "
+                         + "\n  ".join(problems[:MAX_LISTED])
+                         + f"\n`python -m {family.name}.prepare check DIR` lists every problem")
+    return volume
+
+
+def _gather_lines(lines: list[str], grid: Grid) -> list[str]:
+    """Every rank's lines, on every rank, in rank order (raw UTF-8 bytes, no pickle)."""
+    if grid.world_size == 1 or not dist.is_initialized():
+        return lines
+    data = torch.frombuffer(bytearray(json.dumps(lines).encode() or b"[]"), dtype=torch.uint8)
+    dev = grid.device if grid.device.type == "cuda" else torch.device("cpu")
+    n = torch.tensor([data.numel()], dtype=torch.int64, device=dev)
+    sizes = [torch.zeros_like(n) for _ in range(grid.world_size)]
+    dist.all_gather(sizes, n, group=grid.world_group)
+    longest = int(max(int(s) for s in sizes))
+    buf = torch.zeros(longest, dtype=torch.uint8, device=dev)
+    buf[:data.numel()] = data.to(dev)
+    out = [torch.empty_like(buf) for _ in range(grid.world_size)]
+    dist.all_gather(out, buf, group=grid.world_group)
+    merged: list[str] = []
+    for t, s in zip(out, sizes):
+        merged.extend(json.loads(bytes(t[:int(s)].cpu().tolist()).decode()))
+    return merged
+
+
+def check_model(family: Family, model_cfg: Any, volume: Sequence[int], channels: int, grid: Grid) -> None:
+    """Raise ``InputError`` when a layer's input or output along a split dim has fewer
+    voxels than blocks (a stride or pooling shrank it below the split), naming the layer.
+
+    The serial model runs on the meta device (shapes only): nothing is allocated.
+    """
+    try:
+        with torch.device("meta"):
+            model = family.build_model(model_cfg, tuple(int(v) for v in volume))
+            x = torch.empty(1, channels, *volume)
+    except (ValueError, TypeError) as err:  # the model's own checks of its config against the volume
+        raise InputError(f"{family.name} model: {err}") from err
+    if grid.spatial_size == 1:
+        return
+    seen: list[tuple[str, nn.Module, tuple[int, ...], tuple[int, ...]]] = []
+
+    def hook(name: str):
+        def record(mod: nn.Module, args: tuple, out: Any) -> None:
+            inp = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() == 5), None)
+            if inp is not None and isinstance(out, torch.Tensor) and out.dim() == 5:
+                seen.append((name, mod, tuple(inp.shape[2:]), tuple(out.shape[2:])))
+        return record
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules()
+               if n and not list(m.children())]
+    try:
+        with torch.no_grad():
+            model(x)
+    except (NotImplementedError, RuntimeError) as err:
+        if isinstance(err, NotImplementedError) or "meta" in str(err).lower():
+            log.debug("shape check skipped: the model does not run on the meta device (%s)", err)
+            return
+        raise InputError(f"the model ({family.name}, model config {model_cfg}) cannot run on a volume of "
+                         f"{list(volume)}: {err}") from err
+    finally:
+        for h in handles:
+            h.remove()
+    for name, mod, n_in, n_out in seen:
+        for axis, parts in enumerate(grid.spatial):
+            if parts > 1 and min(n_in[axis], n_out[axis]) < parts:
+                raise InputError(
+                    f"layer '{name}' ({type(mod).__name__}): output size {n_out[axis]} along dim "
+                    f"{DIM_NAMES[axis]} (input {n_in[axis]}) cannot be split {parts} ways for "
+                    f"parallel.spatial={list(grid.spatial)} and a volume of {list(volume)}; use fewer "
+                    f"blocks along {DIM_NAMES[axis]}, a larger volume or a shallower model")

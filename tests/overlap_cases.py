@@ -1,0 +1,102 @@
+"""Rank functions for tests/test_overlap.py (no tests here): the overlapped conv, recompute."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+import cases
+import parallel
+from parallel.grid import Grid
+from parallel.layers.conv import SpatialConv3d
+
+
+def conv_overlapped(grid: Grid, build: Callable[[], nn.Module], shape: tuple[int, ...]) -> dict[str, Any]:
+    """check_module with the overlap on; and whether the overlap path was taken."""
+    SpatialConv3d.overlap = True  # the class default, which parallelize(overlap_halo=False) keeps off
+    try:
+        errors: dict[str, Any] = {"overlap": cases.check_module(grid, build, shape)}
+    finally:
+        SpatialConv3d.overlap = False
+    model = build()
+    pmodel = parallel.parallelize(model, grid, overlap_halo=True)
+    pmodel(parallel.scatter(torch.randn(shape), grid))
+    layers = [m for m in pmodel.modules() if isinstance(m, SpatialConv3d)]
+    taken = [plan[2] is not None for m in layers for plan in m._plan_cache.values()]
+    errors["overlap_taken"] = bool(taken) and all(taken)
+    return errors
+
+
+def _net(dropout: float, norm: bool) -> nn.Module:
+    layers: list[nn.Module] = [nn.Conv3d(2, 4, 3, padding=1)]
+    if norm:
+        layers.append(nn.BatchNorm3d(4))
+    layers += [nn.Dropout(dropout), nn.LeakyReLU(0.3), nn.MaxPool3d(2),
+               nn.Conv3d(4, 4, 3, padding=1), nn.Dropout3d(dropout), nn.MaxPool3d(2),
+               nn.Flatten(), nn.Linear(4 * 2 * 2 * 2, 8), nn.Dropout(dropout), nn.Linear(8, 2)]
+    return nn.Sequential(*layers)
+
+
+def recompute_equals_plain(grid: Grid, dropout: float, norm: bool, steps: int = 2) -> dict[str, float]:
+    """Two training steps with and without per-block recomputation: identical numbers."""
+    from parallel.recompute import checkpoint_blocks
+
+    results = []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        model = _net(dropout, norm)
+        pmodel = parallel.parallelize(model, grid, seed=1)
+        if recompute:
+            assert checkpoint_blocks(pmodel.module) == 3, "expected 3 blocks (2 pools + head)"
+        torch.manual_seed(5 + grid.rank)
+        opt = torch.optim.SGD(pmodel.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(3)
+        outs, grads = [], []
+        for _ in range(steps):
+            x = torch.randn(2, 2, 8, 8, 8, generator=gen)
+            xl = parallel.scatter(x, grid).requires_grad_(True)
+            out = pmodel(xl)
+            out.square().sum().backward()
+            outs.append(out.detach().clone())
+            grads.append([p.grad.clone() for p in pmodel.parameters()] + [xl.grad.clone()])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        state = {k: v.clone() for k, v in pmodel.state_dict().items()}
+        results.append((outs, grads, state))
+    (o0, g0, s0), (o1, g1, s1) = results
+    worst = 0.0
+    for a, b in zip(o0, o1):
+        worst = max(worst, cases.assert_close(b, a, "output with recompute"))
+    for ga, gb in zip(g0, g1):
+        for a, b in zip(ga, gb):
+            worst = max(worst, cases.assert_close(b, a, "gradient with recompute"))
+    for k in s0:
+        if s0[k].dtype.is_floating_point:
+            worst = max(worst, cases.assert_close(s1[k], s0[k], f"state {k} with recompute"))
+        elif not torch.equal(s0[k], s1[k]):
+            raise AssertionError(f"state {k} differs with recompute")
+    return {"worst": worst}
+
+
+def unet_recompute_blocks(grid: Grid) -> int:
+    from parallel.recompute import checkpoint_blocks
+    from unet3d.model import UNet3D, UNet3DConfig
+
+    torch.manual_seed(0)
+    cfg = UNet3DConfig(depth=2, base_filters=4, max_filters=8)
+    serial = UNet3D(cfg)
+    ref = copy.deepcopy(serial)
+    pmodel = parallel.parallelize(serial, grid)
+    n = checkpoint_blocks(pmodel.module)
+    x = torch.randn(1, 1, 8, 8, 8)
+    xl = parallel.scatter(x, grid).requires_grad_(True)
+    pmodel(xl).square().sum().backward()
+    xs = x.clone().requires_grad_(True)
+    ref(xs).square().sum().backward()
+    cases.assert_close(parallel.gather(xl.grad, grid), xs.grad, "U-Net input grad with recompute")
+    for (name, p), q in zip(pmodel.module.named_parameters(), ref.parameters()):
+        cases.assert_close(p.grad, q.grad, f"U-Net grad of {name} with recompute")
+    return n

@@ -1,0 +1,153 @@
+"""Checkpoints survive kills, rotate, refuse the wrong model; non-finite steps stop cleanly.
+
+The kill test runs the real entry point with ``torch.save`` slowed down (a wrapper writes
+half of the checkpoint, then waits), kills it with SIGKILL in the middle of that write,
+and resumes: the previous checkpoint must load and the resumed run must end with the
+uninterrupted run's weights, bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from parallel.grid import Grid
+from parallel.train import checkpoint
+from train_helpers import REPO, env, launch, prepare, weights
+
+TINY = ["--config-name", "quickstart", "train.global_batch_size=4", "model.conv_filters=4", "model.n_conv_blocks=2",
+        "model.dense_sizes=[16]", "model.input_shift=3.8", "model.input_scale=2.0", "optim.lr=0.02",
+        "run.progress=false", "run.log_rank=-3", "run.tensorboard=false", "train.eval_every=0",
+        "train.eval_at_end=false", "data.workers=0"]
+
+# Runs cosmoflow.train with torch.save writing half of the checkpoint of step >= AT,
+# touching MARKER, then sleeping: the test kills it there.
+SLOW_SAVE = r"""
+import io, runpy, sys, time
+import torch
+marker, at = sys.argv[1], int(sys.argv[2])
+real_save = torch.save
+def save(obj, f, *args, **kwargs):
+    if isinstance(obj, dict) and int(obj.get("step", 0)) >= at:
+        buf = io.BytesIO()
+        real_save(obj, buf, *args, **kwargs)
+        data = buf.getvalue()
+        f.write(data[: len(data) // 2])
+        f.flush()
+        open(marker, "w").write(str(obj["step"]))
+        time.sleep(600)
+    return real_save(obj, f, *args, **kwargs)
+torch.save = save
+sys.argv = ["cosmoflow.train", *sys.argv[3:]]
+runpy.run_module("cosmoflow.train", run_name="__main__")
+"""
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return prepare("cosmoflow", tmp_path_factory.mktemp("cosmo16"), 16, 16, 4)
+
+
+def test_kill_during_checkpoint_write_then_resume(data, tmp_path):
+    args = [*TINY, f"data.dir={data}", "model.dropout=0.5", "train.epochs=3", "run.checkpoint_every=2"]
+    whole = tmp_path / "whole"
+    launch("cosmoflow", 1, [*args, f"run.dir={whole}"])
+
+    cut = tmp_path / "cut"
+    marker = tmp_path / "writing"
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_SAVE, str(marker), "6", *args, f"run.dir={cut}",
+                             "run.keep_checkpoints=2"], env=env(), cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), f"no checkpoint write reached ({proc.poll()}): {proc.stderr.read()[-3000:]}"
+        os.killpg(proc.pid, signal.SIGKILL)  # in the middle of writing step 6
+    finally:
+        proc.wait(timeout=30)
+    ckpt_dir = cut / "checkpoints"
+    partial = ckpt_dir / ".last.pt.tmp"
+    assert partial.exists() and partial.stat().st_size > 0
+    with pytest.raises(checkpoint.CheckpointError, match="cannot be read"):
+        checkpoint.load(partial)
+    assert checkpoint.load(ckpt_dir / "last.pt")["step"] == 4  # the previous checkpoint is intact
+    assert [p.name for p in checkpoint.kept(ckpt_dir)] == ["step_000000002.pt", "step_000000004.pt"]
+
+    launch("cosmoflow", 1, [*args, f"run.dir={cut}", "run.keep_checkpoints=2", "train.resume=true"])
+    a, b = weights(whole), weights(cut)
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs after resuming from a checkpoint killed mid-write"
+    assert [p.name for p in checkpoint.kept(ckpt_dir)] == ["step_000000010.pt", "step_000000012.pt"]
+    assert os.path.samefile(ckpt_dir / "last.pt", ckpt_dir / "step_000000012.pt")
+    meta = checkpoint.load(ckpt_dir / "last.pt")["meta"]  # what a resume compares (test below)
+    assert meta["family"] == "cosmoflow" and meta["model"]["conv_filters"] == 4 and meta["volume"] == [16, 16, 16]
+
+
+def test_keep_last_k_and_fall_back_to_an_older_readable_one(tmp_path):
+    grid = Grid((1, 1, 1), 1, 0)
+    model = torch.nn.Linear(3, 2)
+    path = checkpoint.checkpoint_path(tmp_path)
+    for step in range(1, 5):
+        with torch.no_grad():
+            model.weight.fill_(step)
+        checkpoint.save(path, grid, {"model": model.state_dict(), "step": step}, keep=3)
+    assert [p.name for p in checkpoint.kept(path.parent)] == [f"step_00000000{s}.pt" for s in (2, 3, 4)]
+    # a damaged last.pt (written anew, so not the hard-linked newest step file)
+    data = path.read_bytes()
+    path.unlink()
+    path.write_bytes(data[:100])
+    with pytest.raises(checkpoint.CheckpointError, match=f"checkpoint {path} cannot be read"):
+        checkpoint.load(path)
+    ckpt, used = checkpoint.load_latest(path)
+    assert used.name == "step_000000004.pt" and ckpt["step"] == 4 and float(ckpt["model"]["weight"][0, 0]) == 4.0
+    for p in checkpoint.kept(path.parent):
+        p.write_bytes(b"junk")
+    with pytest.raises(checkpoint.CheckpointError, match="no readable checkpoint"):
+        checkpoint.load_latest(path)
+
+
+def test_checkpoint_meta_mismatch_names_every_field():
+    ckpt = {"meta": {"family": "cosmoflow", "volume": [16, 16, 16],
+                     "model": {"conv_filters": 4, "n_conv_blocks": 2, "dropout": 0.5}}}
+    checkpoint.check_matches(ckpt, dict(ckpt["meta"]), "x.pt")
+    want = {"family": "cosmoflow", "volume": [32, 32, 32], "model": {"conv_filters": 8, "n_conv_blocks": 2,
+                                                                      "dropout": 0.5}}
+    with pytest.raises(checkpoint.CheckpointError) as info:
+        checkpoint.check_matches(ckpt, want, "x.pt")
+    text = str(info.value)
+    assert "volume: checkpoint [16, 16, 16], this run [32, 32, 32]" in text
+    assert "model.conv_filters: checkpoint 4, this run 8" in text and "n_conv_blocks" not in text
+
+
+def test_nonfinite_gradients_stop_or_skip_keeping_the_last_good_checkpoint(data, tmp_path):
+    # A learning rate of 1e30 makes the weights after step 1 overflow the next forward.
+    args = [*TINY, f"data.dir={data}", "model.dropout=0.0", "optim.lr=1e30", "train.max_steps=8",
+            "run.checkpoint_every=1"]
+    run = tmp_path / "fail"
+    proc = subprocess.run([sys.executable, "-m", "cosmoflow.train", *args, f"run.dir={run}"], env=env(), cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    found = re.search(r"step (\d+): non-finite gradients \(norm (nan|inf)", proc.stderr)
+    assert found, proc.stderr[-3000:]
+    bad = int(found.group(1))
+    assert f"the last good checkpoint is {run / 'checkpoints' / 'last.pt'} (step {bad - 1})" in proc.stderr
+    ckpt = checkpoint.load(run / "checkpoints" / "last.pt")
+    assert ckpt["step"] == bad - 1 and all(torch.isfinite(v).all() for v in ckpt["model"].values())
+
+    run = tmp_path / "skip"
+    proc = subprocess.run([sys.executable, "-m", "cosmoflow.train", *args, f"run.dir={run}",
+                           "train.nonfinite=skip", "train.max_skipped_steps=2"], env=env(), cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stderr.count("update skipped (train.nonfinite=skip") == 2, proc.stderr[-3000:]
+    assert "3 steps in a row were non-finite (train.max_skipped_steps=2)" in proc.stderr
+    ckpt = checkpoint.load(run / "checkpoints" / "last.pt")
+    assert ckpt["skipped_steps"] == 2 and all(torch.isfinite(v).all() for v in ckpt["model"].values())

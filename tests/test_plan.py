@@ -1,0 +1,102 @@
+"""The performance model's arithmetic, its table of splits and ``parallel.spatial=auto``."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from parallel import plan
+from parallel.plan import Machine, Options
+
+
+def _layers(size: int = 32, blocks: int = 3):
+    model, in_shape, _ = plan.build_model("cosmoflow", (size,) * 3, [f"model.n_conv_blocks={blocks}",
+                                                                      "model.conv_filters=8"])
+    return plan.trace(model, in_shape)
+
+
+def test_trace_counts_conv_flops_and_shapes():
+    layers = _layers()
+    conv = [l for l in layers if l.kind == "conv"]
+    assert len(conv) == 3 and conv[0].in_shape == (4, 32, 32, 32) and conv[0].out_shape == (8, 32, 32, 32)
+    assert conv[0].flops == 2 * 4 * 8 * 27 * 32**3
+    assert conv[0].halo == (1, 1, 1)
+    assert [l.kind for l in layers[:3]] == ["conv", "other", "pool"]
+    assert plan.first_layer(layers, 0) and not plan.first_layer(layers, 3)
+
+
+def test_predict_arithmetic():
+    layers = _layers()
+    m = Machine(conv_flops={}, default_conv_flops=1e9, mem_bandwidth=1e9, p2p_alpha=1e-4, p2p_beta=1e9,
+                ar_alpha=1e-4, ar_beta=1e9, layer_overhead=0.0, spatial_layer_overhead=0.0,
+                io_bandwidth=1e8, baseline_memory=1e8)
+    opts = Options(global_batch=2, stored_bytes_per_voxel=8, overlap=False)
+    serial = plan.predict(layers, m, 1, (1, 1, 1), opts)
+    split = plan.predict(layers, m, 1, (2, 1, 1), opts)
+    data = plan.predict(layers, m, 2, (1, 1, 1), opts)
+    conv0 = layers[0]
+    assert serial["halo_s"] == 0 and serial["allreduce_s"] == 0
+    assert serial["compute_s"] >= 2 * 2 * conv0.flops / 1e9  # first conv: fwd + weight grad, batch 2
+    assert split["compute_s"] == pytest.approx(serial["compute_s"] / 2, rel=0.05)
+    assert data["compute_s"] == pytest.approx(serial["compute_s"] / 2, rel=0.05)
+    assert split["halo_s"] > 0 and data["halo_s"] == 0
+    params = sum(l.params for l in layers)
+    assert data["allreduce_s"] == pytest.approx(2 * 1e-4 + params * 4 / 1e9)
+    assert serial["read_bytes"] == 8 * 32**3 * 2 and split["read_bytes"] == serial["read_bytes"] / 2
+    assert data["read_bytes"] == serial["read_bytes"] / 2
+    assert split["activation_bytes"] < 0.6 * serial["activation_bytes"]
+    assert serial["memory_bytes"] == pytest.approx(1e8 + params * 4 * 3 + serial["activation_bytes"])
+    hidden = plan.predict(layers, m, 1, (2, 1, 1), Options(global_batch=2, overlap=True))
+    assert hidden["exposed_comm_s"] < split["exposed_comm_s"]
+    recompute = plan.predict(layers, m, 1, (1, 1, 1), Options(global_batch=2, recompute=True))
+    assert recompute["activation_bytes"] < serial["activation_bytes"]
+    assert recompute["compute_s"] == pytest.approx(serial["compute_s"] * 4 / 3)
+
+
+def test_splits_and_choice():
+    layers = _layers()
+    rows = plan.splits(8, layers)
+    assert all(d * math.prod(sp) == 8 for d, sp in rows)
+    assert (8, (1, 1, 1)) in rows and (1, (2, 2, 2)) in rows
+    assert (1, (4, 2, 1)) in rows and (1, (8, 1, 1)) not in rows  # 4^3 after the last pool
+    m = Machine(baseline_memory=0.0)  # activations dominate: a tight limit needs a spatial split
+    opts = Options(global_batch=8)
+    table = plan.table(layers, m, 8, math.inf, opts)
+    assert sum(r["best"] for r in table) == 1 and table[0]["best"]
+    # Under a memory limit the choice is the fastest row that fits.
+    limit = sorted(r["memory_bytes"] for r in table)[len(table) // 2]
+    chosen = plan.choose(layers, m, 8, limit, opts)
+    fitting = [r for r in table if r["memory_bytes"] <= limit]
+    assert list(chosen) == min(fitting, key=lambda r: r["step_s"])["spatial"]
+    with pytest.raises(ValueError):
+        plan.choose(layers, m, 7, math.inf, Options(global_batch=1))  # 7 ranks, 1 sample: only 7-way, too thin
+
+
+def test_auto_spatial_reads_the_volume_and_picks_a_valid_split(tmp_path: Path):
+    from omegaconf import OmegaConf
+
+    from cosmoflow.family import FAMILY, CosmoFlowJob
+    from cosmoflow.fields import SPEC
+    from parallel.data import write_samples
+
+    (tmp_path / "train").mkdir()
+    vol = np.zeros((1, 4, 32, 32, 32), dtype=np.int16)
+    write_samples(tmp_path / "train" / "s0.h5", SPEC, {"volume": vol, "target": np.zeros((1, 4), np.float32)})
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(CosmoFlowJob), OmegaConf.from_dotlist(
+        [f"data.dir={tmp_path}", "parallel.spatial=auto", "train.global_batch_size=1",
+         "model.n_conv_blocks=3", "model.conv_filters=8"])))
+    assert cfg.parallel.spatial == "auto"
+    spatial = plan.auto_spatial(cfg, FAMILY, world_size=4)
+    assert len(spatial) == 3 and math.prod(spatial) == 4  # batch 1: no data parallelism possible
+    assert plan.world_size_from_env({"WORLD_SIZE": "6"}) == 6
+    assert plan.world_size_from_env({}) == 1
+
+
+def test_cli_prints_a_table(capsys):
+    assert plan.main(["--model", "cosmoflow", "--size", "32", "--devices", "4", "--batch", "2",
+                      "--set", "model.n_conv_blocks=3", "--device-memory", "80GB"]) == 0
+    out = capsys.readouterr().out
+    assert "fastest that fits" in out and "2x1x1" in out
