@@ -12,4 +12,4 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # shellcheck source=scripts/setup.sh
 source scripts/setup.sh
 export OMP_NUM_THREADS=1
-python -m pytest -q "$@"
+python -m pytest -q --durations=20 "$@"
