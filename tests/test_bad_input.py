@@ -98,13 +98,36 @@ def test_missing_or_unusable_data_dir(tmp_path, good):
     _fails(_job(good), r"has no val/ directory .*python -m cosmoflow\.prepare synthetic")
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads everything")
+def _unreadable_case(root: str) -> None:
+    """In a forked child: drop root (which reads everything) to 'nobody', then check."""
+    if os.geteuid() == 0:
+        os.setgid(65534)
+        os.setuid(65534)
+    _fails(_job(Path(root)), r"data\.train_subdir: .*train is not readable")
+
+
 def test_unreadable_data_dir(good):
-    os.chmod(good / "train", 0)
+    import multiprocessing
+    import shutil
+    import tempfile
+
+    # a world-traversable copy, so that an unprivileged child reaches it
+    base = Path(tempfile.mkdtemp(prefix="unreadable_"))
     try:
-        _fails(_job(good), r"data\.train_subdir: .*train is not readable")
+        os.chmod(base, 0o755)
+        root = base / "set"
+        shutil.copytree(good, root)
+        for p in [root, *root.rglob("*")]:
+            os.chmod(p, 0o755 if p.is_dir() else 0o644)
+        os.chmod(root / "train", 0)
+        child = multiprocessing.get_context("fork").Process(target=_unreadable_case, args=(str(root),))
+        child.start()
+        child.join(timeout=120)
+        assert child.exitcode == 0, f"the unreadable train/ directory was not reported as such (exit {child.exitcode})"
     finally:
-        os.chmod(good / "train", 0o755)
+        if (base / "set" / "train").exists():
+            os.chmod(base / "set" / "train", 0o755)
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_truncated_and_corrupt_hdf5(good):
