@@ -2,7 +2,7 @@
 # System config: this machine, CPU only, no Slurm (one node). By default each instance
 # trains the quickstart config (configs/<model>/quickstart.yaml) on the synthetic set of
 # scripts/quickstart.sh to the real MLPerf target on the validation split: a 2-instance
-# weak-scaling submission takes about 5-8 minutes on 2 cores (closed division for
+# weak-scaling submission takes about 4-5 minutes on 2 cores (closed division for
 # CosmoFlow: SGD). CONFIG_NAME=smoke is a plumbing check of the same path in about a
 # minute (tests/test_cluster_scripts.py): a tiny network that evaluates on the training
 # split, not a benchmark result (open division).
