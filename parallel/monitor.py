@@ -41,12 +41,13 @@ def _note(notes: str, rank: int) -> str | None:
 
 
 def _any_reported(notes: str) -> bool:
-    """Whether a rank already reported a failure (its own, or a peer's it detected)."""
+    """Whether a rank already reported a failure of its own (a rank that is only stopping for
+    a peer may be killed by the launcher before it can name the peer: name it here too)."""
     try:
         names = os.listdir(notes)
     except OSError:
         return False
-    return any(_note(notes, int(n)) in ("failed", "stopping") for n in names if n.isdigit())
+    return any(_note(notes, int(n)) == "failed" for n in names if n.isdigit())
 
 
 def _wait_first(pids: dict[int, int]) -> list[int]:
@@ -83,7 +84,7 @@ def main(argv: list[str]) -> int:
             when = time.time()
             time.sleep(0.3)  # a rank writes its note just before it exits
             if _any_reported(notes):
-                return 0  # a rank reported the failure: the deaths that follow are the cleanup
+                return 0  # a rank reported its own failure: the deaths that follow are the cleanup
             for r in sorted(ended):
                 if _note(notes, r) is None:
                     stamp = time.strftime("%H:%M:%S", time.localtime(when)) + f".{int(when % 1 * 1000):03d}"
