@@ -62,6 +62,11 @@ class Machine:
     """Bytes/s one rank reads from storage (and decodes)."""
     baseline_memory: float = 3.0e8
     """Bytes of a rank before the model: the runtime, torch, the process group."""
+    layer_seconds: dict[str, float] = field(default_factory=dict)
+    """Measured forward+backward seconds of one layer's local computation (no communication),
+    keyed by ``op_key``: the layer, its block, the local batch and which dims are split.
+    Where a layer's key is here it replaces the throughput estimate; elsewhere (other
+    sizes, other machines) the per-shape throughputs extrapolate."""
 
     def flops(self, cin: int, cout: int, k: int, voxels: float | None = None,
               shape: Sequence[int] | None = None) -> float:
@@ -91,6 +96,7 @@ class Machine:
                            for k, v in self.conv_flops.items()}
         self.default_conv_flops *= factor
         self.mem_bandwidth *= factor
+        self.layer_seconds = {k: v / factor for k, v in self.layer_seconds.items()}
 
     @classmethod
     def load(cls, path: str | os.PathLike | None = None) -> "Machine":
@@ -116,6 +122,8 @@ class Layer:
     stride: tuple[int, ...] = ()
     halo: tuple[int, ...] = ()   # input voxels beyond the block on each side, per dim (D, H, W)
     flops: float = 0.0           # forward multiply-adds x 2, per sample
+    spec: str = ""               # the module's repr: its type and settings (the key of its timings)
+    module: nn.Module | None = field(default=None, repr=False, compare=False)  # on the meta device
 
 
 def trace(model: nn.Module, in_shape: Sequence[int]) -> list[Layer]:
@@ -148,7 +156,7 @@ def trace(model: nn.Module, in_shape: Sequence[int]) -> list[Layer]:
                 kind = "linear"
                 flops = 2.0 * m.in_features * m.out_features
             layers.append(Layer(kind, name, tuple(x.shape[1:]), tuple(y.shape[1:]), params,
-                                kernel, stride, halo, float(flops)))
+                                kernel, stride, halo, float(flops), " ".join(repr(m).split()), m))
         return record
 
     for name, m in model.named_modules():
@@ -196,6 +204,44 @@ def valid(layers: list[Layer], spatial: Sequence[int]) -> bool:
     return True
 
 
+@dataclass
+class LocalOp:
+    """What one rank computes for one layer: its block in and out (per sample), which dims
+    are split (a split conv reads a window: its block plus halos, unpadded along those
+    dims), whether the backward needs the input gradient, and the timing key."""
+
+    in_local: tuple[int, ...]
+    out_local: tuple[int, ...]
+    split: tuple[bool, ...]
+    input_grad: bool
+    flat_split: bool = False   # a Linear on the flattened distributed volume: partial products
+
+
+def local_ops(layers: list[Layer], spatial: Sequence[int]) -> list[LocalOp]:
+    """The rank's share of every layer for a spatial split (the largest block: lower ranks)."""
+    ops = []
+    flat_local: tuple[int, ...] | None = None
+    for i, layer in enumerate(layers):
+        five = len(layer.in_shape) == 4
+        in_local = tuple(_local(layer.in_shape, spatial)) if five else tuple(layer.in_shape)
+        out_local = tuple(_local(layer.out_shape, spatial)) if len(layer.out_shape) == 4 else tuple(layer.out_shape)
+        split = tuple(p > 1 for p in spatial) if five else (False, False, False)
+        flat = False
+        if five and len(layer.out_shape) == 1:  # Flatten: the next Linear multiplies the block
+            flat_local = (math.prod(in_local),) if any(split) else None
+        elif layer.kind == "linear" and flat_local is not None:
+            in_local, flat, flat_local = flat_local, True, None
+        ops.append(LocalOp(in_local, out_local, split, not first_layer(layers, i), flat))
+    return ops
+
+
+def op_key(layer: Layer, op: LocalOp, batch: int) -> str:
+    """The key of a layer's measured local time in ``Machine.layer_seconds``."""
+    shape = "x".join(map(str, op.in_local))
+    split = "".join("1" if s else "0" for s in op.split)
+    return f"{layer.spec} | in {batch}x{shape} | split {split}{' flat' if op.flat_split else ''} | grad {int(op.input_grad)}"
+
+
 def predict(layers: list[Layer], machine: Machine, data: int, spatial: Sequence[int],
             opts: Options) -> dict[str, float]:
     """Predicted seconds per step, bytes of memory and bytes read per rank for one split."""
@@ -203,25 +249,34 @@ def predict(layers: list[Layer], machine: Machine, data: int, spatial: Sequence[
     world = data * s
     batch = math.ceil(opts.global_batch / data)
     compute = comm = exposed = overhead = 0.0
+    measured = 0
     act = 0.0
     block_act = block_max = 0.0
     params = 0
-    for i, layer in enumerate(layers):
+    for i, (layer, op) in enumerate(zip(layers, local_ops(layers, spatial))):
         params += layer.params
-        out_local = _local(layer.out_shape, spatial) if len(layer.out_shape) == 4 else list(layer.out_shape)
-        in_local = _local(layer.in_shape, spatial) if len(layer.in_shape) == 4 else list(layer.in_shape)
+        out_local, in_local = op.out_local, op.in_local
         frac = math.prod(out_local) / max(math.prod(layer.out_shape), 1)
-        split_layer = s > 1 and len(layer.in_shape) == 4
-        overhead += machine.layer_overhead + (machine.spatial_layer_overhead if split_layer else 0.0)
+        split_layer = s > 1 and any(op.split)
         out_bytes = math.prod(out_local) * opts.act_bytes * batch
         in_bytes = math.prod(in_local) * opts.act_bytes * batch
+        # A measured time of this very computation wins; else flops / throughput, bytes / bandwidth.
+        known = machine.layer_seconds.get(op_key(layer, op, batch))
+        if known is not None:
+            measured += 1
+            compute += known
+        overhead += (0.0 if known is not None else machine.layer_overhead) + \
+            (machine.spatial_layer_overhead if split_layer else 0.0)
         if layer.kind in ("conv", "convT"):
             cin, cout = layer.in_shape[0], layer.out_shape[0]
             k = layer.kernel[0] if layer.kernel else 1
-            passes = 2.0 if first_layer(layers, i) else 3.0   # fwd, weight grad, input grad
+            passes = 3.0 if op.input_grad else 2.0   # fwd, weight grad, input grad
             voxels = math.prod(out_local[1:]) * batch
             t = passes * layer.flops * frac * batch / machine.flops(cin, cout, k, voxels, out_local[1:])
-            compute += t
+            if known is None:
+                compute += t
+            else:
+                t = known
             if split_layer and layer.kind == "conv":
                 halo_t = 0.0
                 for a, parts in enumerate(spatial):
@@ -239,14 +294,21 @@ def predict(layers: list[Layer], machine: Machine, data: int, spatial: Sequence[
                 comm += halo_t
                 exposed += halo_t
         elif layer.kind == "linear":
-            compute += 3.0 * layer.flops * batch / machine.default_conv_flops
-            if len(layer.in_shape) == 4 and s > 1:  # Flatten+Linear partial products: all-reduce
+            if known is None:
+                share = in_local[0] / max(layer.in_shape[0], 1)
+                compute += 3.0 * layer.flops * share * batch / machine.default_conv_flops
+            if op.flat_split:  # Flatten+Linear partial products: all-reduce, forward and backward
                 nbytes = layer.out_shape[0] * batch * opts.act_bytes
                 t = 2 * (2 * (s - 1) * machine.ar_alpha + 2 * (s - 1) / s * nbytes / machine.ar_beta)
                 comm += t
                 exposed += t
-        else:
+        elif known is None:
             compute += 3.0 * (in_bytes + out_bytes) / machine.mem_bandwidth
+        if layer.kind == "norm" and split_layer:  # statistics: two all-reduces forward, two backward
+            nbytes = 8.0 * layer.in_shape[0] * batch
+            t = 4 * (2 * (s - 1) * machine.ar_alpha + 2 * (s - 1) / s * nbytes / machine.ar_beta)
+            comm += t
+            exposed += t
         saved = out_bytes + (in_bytes if layer.kind in ("conv", "convT", "pool") else 0.0)
         act += saved
         block_act += saved
@@ -264,12 +326,15 @@ def predict(layers: list[Layer], machine: Machine, data: int, spatial: Sequence[
     allreduce = 0.0
     if world > 1:
         allreduce = 2 * (world - 1) * machine.ar_alpha + 2 * (world - 1) / world * grad_bytes / machine.ar_beta
-    step = compute + exposed + allreduce + overhead
+    # The optimiser reads weights, gradients and its states and writes weights and states.
+    optimizer = params * 4 * (3 + 2 * opts.optimizer_states) / machine.mem_bandwidth
+    step = compute + exposed + allreduce + overhead + optimizer
     memory = machine.baseline_memory + params * 4 * (2 + opts.optimizer_states) + act
     read = opts.stored_bytes_per_voxel * math.prod(layers[0].in_shape[1:]) / s * batch
     return {"step_s": step, "compute_s": compute, "halo_s": comm, "exposed_comm_s": exposed,
-            "allreduce_s": allreduce, "overhead_s": overhead, "memory_bytes": memory,
-            "activation_bytes": act, "read_bytes": read, "io_s": read / machine.io_bandwidth}
+            "allreduce_s": allreduce, "overhead_s": overhead, "optimizer_s": optimizer, "memory_bytes": memory,
+            "activation_bytes": act, "read_bytes": read, "io_s": read / machine.io_bandwidth,
+            "measured_layers": measured / max(len(layers), 1)}
 
 
 def splits(devices: int, layers: list[Layer], max_data: int | None = None) -> list[tuple[int, tuple[int, int, int]]]:

@@ -24,3 +24,22 @@ def test_layer_prints_the_halo_overhead():
     assert rows[0]["kind"] == "layer" and rows[0]["local_block"] == [6, 12, 12]
     assert set(rows[0]["overhead"]) == {"overlap", "blocking"}
     assert rows[-1]["halo_overhead_2x1x1"] > 0
+
+
+def test_step_measures_and_predicts_every_grid(tmp_path: Path):
+    """The step benchmark times serial, spatial 2, data 2 and weak spatial 2, and predicts
+    each from a calibration it measures (with each layer's local time) when none exists."""
+    cal = tmp_path / "cal.json"
+    rows = _run("step", "--models", "cosmoflow", "--size", "8", "--trials", "1", "--calibration", str(cal),
+                "--cosmoflow-set", "model.n_conv_blocks=2", "model.conv_filters=4", timeout=400)
+    step = rows[0]
+    grids = {"serial", "spatial2", "data2", "spatial2_weak"}
+    assert set(step["measured_best_s"]) == grids and set(step["predicted_s"]) == grids
+    assert all(v > 0 for v in step["predicted_s"].values())
+    assert all(v > 0 for v in step["measured_best_s"].values())
+    saved = json.loads(cal.read_text())
+    # Both blocks (serial and split along W) and both local batches (2, and 1 for data 2) were timed.
+    keys = saved["layer_seconds"]
+    assert any("in 2x4x8x8x8 | split 000" in k for k in keys) and any("in 1x4x8x8x8 | split 000" in k for k in keys)
+    assert any("in 2x4x8x8x4 | split 001" in k for k in keys)
+    assert rows[-1]["cosmoflow_worst_prediction_error"] == max(abs(e) for e in step["prediction_error"].values())

@@ -100,3 +100,33 @@ def test_cli_prints_a_table(capsys):
                       "--set", "model.n_conv_blocks=3", "--device-memory", "80GB"]) == 0
     out = capsys.readouterr().out
     assert "fastest that fits" in out and "2x1x1" in out
+
+
+def test_measured_layer_times_replace_the_estimates():
+    """``calibrate.layer_seconds`` times what a rank computes for each layer (a split conv's
+    window, a split norm's two-pass statistics, the Linear's slice) and ``predict`` uses it."""
+    from parallel.bench.calibrate import _local_call, layer_seconds
+
+    for name, over in (("cosmoflow", ["model.n_conv_blocks=2", "model.conv_filters=4"]),
+                       ("unet3d", ["model.depth=2", "model.base_filters=4"])):
+        model, in_shape, _ = plan.build_model(name, (8, 8, 8), over)
+        layers = plan.trace(model, in_shape)
+        for spatial in ((1, 1, 1), (2, 1, 1), (1, 2, 2)):
+            ops = plan.local_ops(layers, spatial)
+            for layer, op in zip(layers, ops):
+                fn, x = _local_call(layer, op, 2)
+                if layer.kind in ("conv", "norm", "other", "pool") and len(op.out_local) == 4:
+                    assert tuple(fn(x).shape) == (2, *op.out_local), (name, spatial, layer.name)
+            times = layer_seconds(layers, [(spatial, 2)], trials=1)
+            keys = {plan.op_key(l, op, 2) for l, op in zip(layers, ops)}
+            assert keys == set(times) and all(t > 0 for t in times.values())
+            m = Machine(layer_seconds={k: 1.0 for k in keys}, layer_overhead=0.0, spatial_layer_overhead=0.0)
+            p = plan.predict(layers, m, 1, spatial, Options(global_batch=2))
+            assert p["measured_layers"] == 1.0 and p["compute_s"] == pytest.approx(len(layers))
+            if spatial == (2, 1, 1) and name == "cosmoflow":  # the Flatten+Linear all-reduce, fwd + bwd
+                assert sum(op.flat_split for op in ops) == 1
+                m.p2p_alpha, m.p2p_beta, m.ar_alpha, m.ar_beta = 0.0, math.inf, 1.0, math.inf
+                assert plan.predict(layers, m, 1, spatial, Options(global_batch=2))["halo_s"] == pytest.approx(4.0)
+    # Keys not measured fall back to the throughput estimate.
+    m = Machine(layer_seconds={}, layer_overhead=0.0)
+    assert plan.predict(layers, m, 1, (1, 1, 1), Options(global_batch=2))["measured_layers"] == 0.0

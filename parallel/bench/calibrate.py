@@ -7,6 +7,7 @@ from __future__ import annotations
 import resource
 import statistics
 import time
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -17,7 +18,7 @@ from torch import nn
 import parallel
 from parallel.bench.ranks import run_ranks
 from parallel.grid import Grid
-from parallel.plan import Layer, first_layer
+from parallel.plan import Layer, LocalOp, first_layer, local_ops, op_key
 
 
 def _best(fn: Callable[[], None], trials: int) -> float:
@@ -71,6 +72,76 @@ def layer_overhead(trials: int = 5) -> float:
     model = nn.Sequential(*[nn.Conv3d(1, 1, 1) for _ in range(20)])
     x = torch.randn(1, 1, 2, 2, 2, requires_grad=True)
     return _best(lambda: model(x).sum().backward(), trials) / 20
+
+
+def _materialize(module: nn.Module) -> nn.Module:
+    """A CPU copy of a (meta-device) layer with fresh parameters."""
+    import copy
+
+    m = copy.deepcopy(module).to_empty(device="cpu")
+    if getattr(m, "inplace", False):  # the timed input is a leaf; out of place costs about the same
+        m.inplace = False
+    if hasattr(m, "reset_parameters"):
+        m.reset_parameters()
+    elif hasattr(m, "reset_running_stats"):
+        m.reset_running_stats()
+    return m.train()
+
+
+def _local_call(layer: Layer, op: LocalOp, batch: int) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]:
+    """The computation a rank runs for ``layer`` on its block (no communication), and its
+    input: a split conv convolves a window (block plus halos) unpadded along split dims; a
+    split norm takes the framework's two-pass statistics; the rest run the torch layer."""
+    m = _materialize(layer.module)  # type: ignore[arg-type]
+    shape = [batch, *op.in_local]
+    if isinstance(m, nn.Conv3d) and any(op.split):
+        pads = list(m.padding) if not isinstance(m.padding, str) else [0, 0, 0]
+        for a in range(3):
+            if op.split[a]:
+                span = m.dilation[a] * (m.kernel_size[a] - 1) + 1
+                shape[a + 2] = (op.out_local[a + 1] - 1) * m.stride[a] + span
+                pads[a] = 0
+        return (lambda x: F.conv3d(x, m.weight, m.bias, m.stride, tuple(pads), m.dilation, m.groups)), \
+            torch.randn(shape)
+    if isinstance(m, (nn.BatchNorm3d, nn.InstanceNorm3d, nn.GroupNorm)) and any(op.split):
+        from parallel.layers import norm
+        from parallel.layers.base import convert
+        from parallel.layers.shapes import ShapeTracker
+
+        one = Grid(spatial=(1, 1, 1), world_size=1, rank=0)
+        cls = {nn.BatchNorm3d: norm.SpatialBatchNorm3d, nn.InstanceNorm3d: norm.SpatialInstanceNorm3d,
+               nn.GroupNorm: norm.SpatialGroupNorm}[type(m)]
+        return convert(m, cls, one, ShapeTracker(one), layer.name), torch.randn(shape)
+    if op.flat_split:  # the Linear's slice for this block (the framework reshapes a weight slice)
+        assert isinstance(m, nn.Linear)
+        n = op.in_local[0]
+        return (lambda x: F.linear(x, m.weight[:, :n].reshape(m.out_features, n), m.bias)), torch.randn(shape)
+    return m, torch.randn(shape)
+
+
+def layer_seconds(layers: list[Layer], cases: Sequence[tuple[Sequence[int], int]], trials: int = 2,
+                  known: dict[str, float] | None = None) -> dict[str, float]:
+    """Forward+backward seconds of each layer's local computation for each (spatial split,
+    local batch) in ``cases``, keyed by ``parallel.plan.op_key``; keys in ``known`` are kept."""
+    out: dict[str, float] = dict(known or {})
+    for spatial, batch in cases:
+        for layer, op in zip(layers, local_ops(layers, spatial)):
+            key = op_key(layer, op, batch)
+            if key in out or layer.module is None:
+                continue
+            fn, x = _local_call(layer, op, batch)
+            x.requires_grad_(op.input_grad)
+            params = [p for p in (fn.parameters() if isinstance(fn, nn.Module) else ()) if p.requires_grad]
+            grad = torch.randn_like(fn(x)) if x.requires_grad or params or layer.params else None
+
+            def step() -> None:
+                x.grad = None
+                y = fn(x)
+                if grad is not None and y.requires_grad:
+                    y.backward(grad)
+
+            out[key] = _best(step, trials)
+    return out
 
 
 def _network(grid: Grid, sizes: Sequence[int], trials: int) -> dict[str, Any]:
@@ -150,8 +221,10 @@ def io_bandwidth(size: int = 64) -> float:
     return nbytes / secs
 
 
-def calibrate(layers: list[Layer], trials: int = 3) -> dict[str, Any]:
-    """Everything ``parallel.plan.Machine`` holds, measured here."""
+def calibrate(layers: list[Layer], trials: int = 3,
+              cases: Sequence[tuple[list[Layer], Sequence[int], int]] = ()) -> dict[str, Any]:
+    """Everything ``parallel.plan.Machine`` holds, measured here; ``cases`` (layers, spatial
+    split, local batch) also get each layer's local time measured."""
     torch.set_num_threads(1)
     shapes = []
     seen = set()
@@ -173,6 +246,10 @@ def calibrate(layers: list[Layer], trials: int = 3) -> dict[str, Any]:
     net = run_ranks(2, _network, sizes, trials, spatial=(2, 1, 1))[0]
     p_alpha, p_beta = _fit(sizes, net["p2p"])
     a_alpha, a_beta = _fit(sizes, net["allreduce"])
+    a_alpha /= 2  # two ranks: the ring's 2 (P - 1) alpha + 2 (P - 1) / P bytes / beta is 2 alpha + bytes / beta
+    timed: dict[str, float] = {}
+    for case_layers, spatial, batch in cases:
+        timed = layer_seconds(case_layers, [(spatial, batch)], known=timed)
     return {
         "conv_flops": flops,
         "default_conv_flops": statistics.median(p[1] for pts in flops.values() for p in pts) if flops else 2e10,
@@ -182,4 +259,24 @@ def calibrate(layers: list[Layer], trials: int = 3) -> dict[str, Any]:
         "spatial_layer_overhead": net["spatial_layer_overhead"],
         "io_bandwidth": io_bandwidth(),
         "baseline_memory": float(net["baseline_memory"]),
+        "layer_seconds": timed,
     }
+
+
+def ensure_layer_seconds(path: Path, cases: Sequence[tuple[list[Layer], Sequence[int], int]]) -> int:
+    """Measure the layer times ``cases`` need that the calibration file at ``path`` lacks, and
+    add them to it; the number of layers measured."""
+    import json
+
+    data = json.loads(path.read_text(encoding="utf-8"))
+    timed = dict(data.get("layer_seconds", {}))
+    before = len(timed)
+    torch.set_num_threads(1)
+    for case_layers, spatial, batch in cases:
+        timed = layer_seconds(case_layers, [(spatial, batch)], known=timed)
+    if len(timed) > before:
+        data["layer_seconds"] = timed
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
+        tmp.replace(path)
+    return len(timed) - before

@@ -90,15 +90,17 @@ def _step_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibration", default=None, help="plan calibration (default: measure it now if missing)")
 
 
-def _machine(args: argparse.Namespace, layers: list) -> Any:
+def _machine(args: argparse.Namespace, cases: list) -> Any:
+    """The calibration (measured now if missing), with the local layer times of ``cases``
+    ((layers, spatial, local batch) for each grid the benchmark predicts) added if absent."""
+    from parallel.bench.calibrate import calibrate, ensure_layer_seconds
     from parallel.plan import DEFAULT_CALIBRATION, Machine
 
     path = Path(args.calibration) if args.calibration else DEFAULT_CALIBRATION
     if not path.is_file():
-        from parallel.bench.calibrate import calibrate
-
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(calibrate(layers), indent=1), encoding="utf-8")
+        path.write_text(json.dumps(calibrate([l for ls, _, _ in cases for l in ls]), indent=1), encoding="utf-8")
+    ensure_layer_seconds(path, cases)
     return Machine.load(path)
 
 
@@ -120,13 +122,15 @@ def step(args: argparse.Namespace) -> Rows:
                       spatial=split)[0]
         model, in_shape, stored = build_model(name, size, over)
         layers = trace(model, in_shape)
-        machine = _machine(args, layers)
         opts = Options(global_batch=args.batch, stored_bytes_per_voxel=stored, overlap=args.overlap)
         grids = {"serial": (1, (1, 1, 1), layers), "spatial2": (1, split, layers),
                  "data2": (2, (1, 1, 1), layers)}
         if weak is not None:
             wmodel, win, _ = build_model(name, weak, over)
             grids["spatial2_weak"] = (1, split, trace(wmodel, win))
+        # Each layer's local computation is timed in isolation (one process, no communication);
+        # the model adds the exchanges, the gradient all-reduce and the optimiser.
+        machine = _machine(args, [(ls, sp, math.ceil(args.batch / d)) for d, sp, ls in grids.values()])
         predicted = {k: predict(ls, machine, d, sp, opts)["step_s"] for k, (d, sp, ls) in grids.items()}
         # Calibration keeps the least disturbed trial, so predictions compare with the best step.
         error = {k: predicted[k] / r["best_seconds"][k] - 1 for k in r["best_seconds"] if k in predicted}
@@ -335,6 +339,9 @@ def _calibrate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", type=int, default=64)
     p.add_argument("--set", nargs="*", default=[])
     p.add_argument("--calibration", default=None, help="where to write (default: parallel.plan's file)")
+    p.add_argument("--layer-splits", default="1x1x1,2x1x1,1x1x2",
+                   help="spatial splits whose per-layer local times to measure ('' for none)")
+    p.add_argument("--layer-batches", default="1,2", help="local batches whose per-layer times to measure")
 
 
 def calibrate(args: argparse.Namespace) -> Rows:
@@ -342,11 +349,14 @@ def calibrate(args: argparse.Namespace) -> Rows:
     from parallel.bench.calibrate import calibrate as measure
     from parallel.plan import DEFAULT_CALIBRATION, build_model, trace
 
-    layers = []
+    layers, cases = [], []
     for name, over in (("cosmoflow", args.set), ("unet3d", ["model.depth=3", "model.base_filters=8"])):
         model, in_shape, _ = build_model(name, (args.size,) * 3, over)
-        layers += trace(model, in_shape)
-    result = measure(layers)
+        traced = trace(model, in_shape)
+        layers += traced
+        cases += [(traced, _sizes(g), int(b)) for g in args.layer_splits.split(",") if g
+                  for b in args.layer_batches.split(",")]
+    result = measure(layers, cases=cases)
     path = Path(args.calibration) if args.calibration else DEFAULT_CALIBRATION
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1), encoding="utf-8")
