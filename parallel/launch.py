@@ -21,7 +21,7 @@ import os
 import re
 import socket
 from datetime import timedelta
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -105,9 +105,12 @@ def env_rank() -> int:
     return _env_int(("RANK", *_MPI_RANK_VARS, "SLURM_PROCID"))
 
 
-def init(spatial: Sequence[int] = (1, 1, 1), *, backend: str | None = None,
+def init(spatial: Sequence[int] | Callable[[], Sequence[int]] = (1, 1, 1), *, backend: str | None = None,
          timeout_s: float = 600.0) -> Grid:
     """Start torch.distributed for this process and return its ``Grid``.
+
+    ``spatial`` may be a function (``parallel.spatial=auto``): rank 0 calls it once the
+    process group runs and every rank uses its answer.
 
     ``spatial`` splits each sample's D, H and W; the data axis takes
     ``world / (sd * sh * sw)`` ranks. ``timeout_s`` bounds every collective, so a dead
@@ -149,11 +152,35 @@ def init(spatial: Sequence[int] = (1, 1, 1), *, backend: str | None = None,
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port('127.0.0.1')}",
                                 rank=0, world_size=1, timeout=timeout)
 
+    if callable(spatial):
+        spatial = _decided_on_rank0(spatial, device)
     grid = Grid.from_world(spatial, device=device, local_rank=local_rank, launcher=launcher)
     log.info("%s, backend %s", grid.describe(), backend)
     from parallel.placement import log_placement  # here, not above: `python -m parallel.placement` stays clean
     log_placement(grid)  # which node holds which ranks; warns when a spatial group spans nodes
     return grid
+
+
+def _decided_on_rank0(decide: Callable[[], Sequence[int]], device: torch.device) -> tuple[int, int, int]:
+    """``decide()`` on rank 0, broadcast to all: every rank builds the same grid (its groups
+    must match) even where ranks would measure or read differently. A failure on rank 0
+    is reported on every rank instead of leaving them waiting."""
+    choice = torch.full((3,), -1, dtype=torch.int64)
+    error: BaseException | None = None
+    if dist.get_rank() == 0:
+        try:
+            choice = torch.tensor([int(v) for v in decide()], dtype=torch.int64)
+        except BaseException as exc:  # noqa: BLE001 - the others must hear of it
+            error = exc
+    if dist.get_world_size() > 1:
+        on = choice.to(device) if dist.get_backend() == "nccl" else choice
+        dist.broadcast(on, src=0)
+        choice = on.cpu()
+    if error is not None:
+        raise error
+    if bool((choice < 1).any()):
+        raise ValueError("rank 0 could not choose the spatial split (see its log)")
+    return tuple(int(v) for v in choice.tolist())  # type: ignore[return-value]
 
 
 def destroy() -> None:

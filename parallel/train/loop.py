@@ -62,19 +62,27 @@ def train(cfg: JobConfig, family: Family) -> dict[str, Any]:
     rank stop, naming the rank that failed (``docs/failures.md``).
     """
     setup_logging(cfg.run, env_rank())
+    auto = str(cfg.parallel.spatial) == "auto"
     try:
-        if str(cfg.parallel.spatial) == "auto":
-            from parallel.plan import auto_spatial
-
-            cfg.parallel.spatial = auto_spatial(cfg, family)
+        if auto:  # validated with a placeholder; rank 0 decides once the process group runs
+            cfg.parallel.spatial = [1, 1, 1]
         preflight.validate_config(cfg)
     except preflight.ConfigError as err:
         log.error("bad config: %s", err)
         raise SystemExit(2) from None
     try:
-        grid = parallel.init(cfg.parallel.spatial, backend=cfg.parallel.backend, timeout_s=cfg.parallel.timeout_s)
-    except ValueError as err:  # the grid does not fit the world size
-        log.error("bad config: parallel.spatial=%s: %s", list(cfg.parallel.spatial), err)
+        spatial: Any = cfg.parallel.spatial
+        if auto:
+            from parallel.plan import auto_spatial
+
+            spatial = lambda: auto_spatial(cfg, family)  # noqa: E731
+        grid = parallel.init(spatial, backend=cfg.parallel.backend, timeout_s=cfg.parallel.timeout_s)
+        if auto:
+            cfg.parallel.spatial = list(grid.spatial)
+            log.info("parallel.spatial=auto chose %s for %d ranks (parallel.plan)", "x".join(map(str, grid.spatial)),
+                     grid.world_size)
+    except ValueError as err:  # the grid does not fit the world size, or auto found no split
+        log.error("bad config: parallel.spatial=%s: %s", "auto" if auto else list(cfg.parallel.spatial), err)
         parallel.destroy()
         raise SystemExit(2) from None
     watchdog = None
