@@ -6,7 +6,10 @@ group and a mean over the data group: a sum over all ranks divided by the data s
 Gradients are packed into buckets in reverse registration order (roughly the order the
 backward produces them); a bucket's all-reduce starts as soon as its last gradient is
 accumulated, in bucket order on every rank, and runs while the backward goes on. The
-hook of the last gradient waits for all buckets and writes the results back, so
+gradients are views into their bucket's buffer (installed at each forward where
+``zero_grad`` left them None), so the all-reduce runs in place and no copy of the
+gradients is made; gradients replaced by hand in between go through a packed copy. The
+hook of the last gradient waits for all buckets (and writes any copies back), so
 ``loss.backward()`` returns with synchronised gradients.
 """
 
@@ -44,6 +47,9 @@ class GradSync:
             self.buckets[-1].append(p)
             size += p.numel() * p.element_size()
         self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        # Each bucket's gradients live in one flat buffer (``p.grad`` are views into it, like
+        # DDP's gradient_as_bucket_view): the all-reduce runs in place, with no bucket copy.
+        self.flats: list[torch.Tensor | None] = [None] * len(self.buckets)
         self._handles = [p.register_post_accumulate_grad_hook(self._ready) for _, p in named]
         self._reset()
 
@@ -51,7 +57,7 @@ class GradSync:
         self.pending = [len(b) for b in self.buckets]
         self.ready: set[int] = set()
         self.next_bucket = 0
-        self.works: list[tuple[Any, torch.Tensor, list[nn.Parameter]]] = []
+        self.works: list[tuple[Any, torch.Tensor, list[nn.Parameter], bool]] = []
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -63,7 +69,8 @@ class GradSync:
             self.enabled = previous
 
     def prepare(self) -> None:
-        """Called at each forward: a sync left half-done means unused parameters."""
+        """Called at each forward: a sync left half-done means unused parameters. Gradients
+        that are None (after ``zero_grad``) become zeroed views into their bucket."""
         if 0 < len(self.ready) < len(self.bucket_of):
             missing = [self.names[i] for i in self.bucket_of if i not in self.ready]
             self._reset()
@@ -71,6 +78,32 @@ class GradSync:
                 f"the last backward produced no gradient for {len(missing)} parameter(s) "
                 f"({', '.join(missing[:5])}{'...' if len(missing) > 5 else ''}), so gradients were "
                 "not synchronised; freeze them (requires_grad=False) or use them in the forward")
+        for i, bucket in enumerate(self.buckets):
+            if all(p.grad is not None for p in bucket):
+                continue
+            flat = self.flats[i]
+            if flat is None:
+                flat = self.flats[i] = torch.empty(sum(p.numel() for p in bucket), dtype=bucket[0].dtype,
+                                                   device=bucket[0].device)
+            offset = 0
+            for p in bucket:
+                n = p.numel()
+                if p.grad is None:
+                    p.grad = flat[offset:offset + n].view_as(p).zero_()
+                offset += n
+
+    def _in_place(self, i: int) -> bool:
+        """Whether bucket ``i``'s gradients are all still views into its buffer, in order."""
+        flat = self.flats[i]
+        if flat is None:
+            return False
+        offset = 0
+        for p in self.buckets[i]:
+            g = p.grad
+            if g is None or g.data_ptr() != flat[offset:].data_ptr() or not g.is_contiguous():
+                return False
+            offset += p.numel()
+        return True
 
     def _ready(self, p: torch.Tensor) -> None:
         if not self.enabled:
@@ -81,20 +114,25 @@ class GradSync:
         self.ready.add(key)
         self.pending[self.bucket_of[key]] -= 1
         while self.next_bucket < len(self.buckets) and self.pending[self.next_bucket] == 0:
-            self._launch(self.buckets[self.next_bucket])
+            self._launch(self.next_bucket)
             self.next_bucket += 1
         if self.next_bucket == len(self.buckets):
             self._finish()
 
-    def _launch(self, bucket: list[nn.Parameter]) -> None:
-        flat = torch.cat([p.grad.reshape(-1) for p in bucket])  # type: ignore[union-attr]
-        work = dist.all_reduce(flat, group=self.group, async_op=True)
-        self.works.append((work, flat, bucket))
+    def _launch(self, i: int) -> None:
+        bucket = self.buckets[i]
+        in_place = self._in_place(i)
+        # Gradients replaced since the forward (set by hand, or no prepare()): a packed copy.
+        flat = self.flats[i] if in_place else torch.cat([p.grad.reshape(-1) for p in bucket])  # type: ignore[union-attr]
+        work = dist.all_reduce(flat, group=self.group, async_op=True)  # type: ignore[arg-type]
+        self.works.append((work, flat, bucket, in_place))
 
     def _finish(self) -> None:
-        for work, flat, bucket in self.works:
+        for work, flat, bucket, in_place in self.works:
             work.wait()
             flat.mul_(self.scale)
+            if in_place:
+                continue
             offset = 0
             for p in bucket:
                 n = p.numel()

@@ -197,6 +197,42 @@ def accumulate_then_sync(grid: Grid) -> float:
     return worst
 
 
+def gradients_in_bucket_views(grid: Grid) -> float:
+    """Three SGD steps (zero_grad to None, to zeros, and a gradient replaced by hand) equal
+    the serial ones; the gradients are views into the sync's buckets (no packed copy)."""
+    torch.manual_seed(0)
+    serial = nn.Sequential(nn.Conv3d(2, 3, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 8 * 6 * 4, 2))
+    pmodel = parallel.parallelize(copy.deepcopy(serial), grid, bucket_mb=0.001)  # several buckets
+    opt_s = torch.optim.SGD(serial.parameters(), lr=0.1, momentum=0.9)
+    opt_p = torch.optim.SGD(pmodel.parameters(), lr=0.1, momentum=0.9)
+    worst = 0.0
+    for step in range(3):
+        x = torch.randn(2 * grid.data_size, 2, 8, 6, 4, generator=torch.Generator().manual_seed(step))
+        serial(x).square().mean().backward()
+        out = pmodel(parallel.scatter(x, grid))  # this data group's rows, this rank's block
+        if step == 2:  # a gradient the user set between forward and backward takes the copy path
+            first = next(pmodel.parameters())
+            first.grad = torch.zeros_like(first)
+        # The spatial Linear's output is replicated: the mean over this data group's rows.
+        out.square().mean().backward()
+        sync = pmodel.sync
+        assert sync is not None
+        views = [sync._in_place(i) for i in range(len(sync.buckets))]
+        if step < 2 and not all(views):
+            raise AssertionError(f"step {step}: gradients are not views into their buckets: {views}")
+        if step == 2 and all(views):
+            raise AssertionError("a gradient replaced by hand was taken for a bucket view")
+        for (name, p), q in zip(pmodel.module.named_parameters(), serial.parameters()):
+            worst = max(worst, assert_close(p.grad, q.grad, f"step {step} grad of {name}"))
+        opt_s.step()
+        opt_p.step()
+        opt_s.zero_grad(set_to_none=step != 0)
+        opt_p.zero_grad(set_to_none=step != 0)
+    for (name, p), q in zip(pmodel.module.named_parameters(), serial.parameters()):
+        worst = max(worst, assert_close(p.detach(), q.detach(), f"weights {name} after 3 steps"))
+    return worst
+
+
 def dropout_masks(grid: Grid) -> list[float]:
     """Dropout after Flatten+Linear drops the same units on every rank of a spatial group."""
     import torch.distributed as dist

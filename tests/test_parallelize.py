@@ -22,6 +22,11 @@ def test_no_sync_accumulates_then_one_backward_syncs(pools, world, spatial):
     pools.run(world, cases.accumulate_then_sync, spatial=spatial)
 
 
+@pytest.mark.parametrize("world,spatial", [(2, (2, 1, 1)), (2, (1, 1, 1)), (4, (1, 2, 1))])
+def test_gradients_are_bucket_views_and_steps_equal_serial(pools, world, spatial):
+    pools.run(world, cases.gradients_in_bucket_views, spatial=spatial)
+
+
 def test_dropout_mask_is_shared_by_a_spatial_group_and_differs_across_data_groups(pools):
     masks = pools.run(4, cases.dropout_masks, spatial=(2, 1, 1))
     assert masks[0] == masks[1] and masks[2] == masks[3]
