@@ -36,6 +36,10 @@ CONV = [
     ("k3-corners-1x2x2", C(nn.Conv3d, 2, 3, 3, padding=1), (1, 2, 4, 7, 6), (1, 2, 2)),
     ("k3-circular-corners-2x2x1", C(nn.Conv3d, 2, 3, 3, padding=1, padding_mode="circular"), (1, 2, 6, 5, 4), (2, 2, 1)),
     ("k3-corners-2x2x2", C(nn.Conv3d, 2, 3, 3, padding=1), (1, 2, 5, 6, 7), (2, 2, 2)),
+    # Thin batch-1 blocks that conv3d reorders for oneDNN (N*C*D*H <= 20480 < N*C*H*W).
+    ("k3-pad1-D2-thin-reordered", C(nn.Conv3d, 8, 4, 3, padding=1), (1, 8, 8, 64, 64), D2),
+    ("k313-stride121-D2-thin-reordered", C(nn.Conv3d, 8, 4, (3, 1, 3), stride=(1, 2, 1), padding=(1, 0, 1)),
+     (1, 8, 6, 64, 48), D2),
 ]
 TRANSPOSED = [
     ("k2-stride2-D2", C(nn.ConvTranspose3d, 3, 2, 2, stride=2), (2, 3, 5, 4, 4), D2),
@@ -88,6 +92,41 @@ def _run(pools, build, shape, spatial, **kw):
 @pytest.mark.parametrize("build,shape,spatial", [c[1:] for c in CONV], ids=[c[0] for c in CONV])
 def test_conv3d(pools, build, shape, spatial):
     _run(pools, build, shape, spatial)
+
+
+@pytest.mark.parametrize("kernel,stride,padding,dilation,shape", [
+    (3, 1, 1, 1, (1, 8, 5, 64, 64)),
+    ((3, 1, 5), (1, 2, 1), (0, 0, 2), 1, (1, 4, 3, 72, 80)),
+    (3, 2, 1, 2, (1, 8, 64, 5, 64)),     # thin along H: the two large dims go first
+    (3, 1, 0, 1, (1, 2, 8, 8, 8)),       # small everywhere: torch's own choice, unchanged
+])
+def test_conv3d_reorders_thin_blocks_and_equals_torch(kernel, stride, padding, dilation, shape):
+    import torch
+    import torch.nn.functional as F
+
+    from parallel.layers.conv import conv3d
+
+    torch.manual_seed(0)
+    conv = nn.Conv3d(shape[1], 3, kernel, stride, padding, dilation)
+    x = torch.randn(shape, requires_grad=True)
+    y = conv3d(x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation, 1)
+    reordered = not y.is_contiguous()
+    assert reordered == (shape != (1, 2, 8, 8, 8))
+    g = torch.randn_like(y)
+    grads = torch.autograd.grad(y, (x, conv.weight, conv.bias), g)
+    # Against float64 truth, as close as torch's own float32 convolution is (sums of ~20k terms).
+    params = [t.detach().double().requires_grad_() for t in (x, conv.weight, conv.bias)]
+    ref = F.conv3d(*params, conv.stride, conv.padding, conv.dilation)
+    ref_grads = torch.autograd.grad(ref, params, g.double())
+    f32 = F.conv3d(x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation)
+    f32_grads = torch.autograd.grad(f32, (x, conv.weight, conv.bias), g)
+    for name, ours, theirs, truth in zip(("output", "input grad", "weight grad", "bias grad"), (y, *grads),
+                                         (f32, *f32_grads), (ref, *ref_grads)):
+        truth = truth.detach()
+        scale = float(truth.abs().max())
+        err = float((ours.detach().double() - truth).abs().max())
+        torch_err = float((theirs.detach().double() - truth).abs().max())
+        assert err <= max(4 * torch_err, 1e-6 * scale), (name, err, torch_err, scale)
 
 
 @pytest.mark.parametrize("build,shape,spatial", [c[1:] for c in TRANSPOSED], ids=[c[0] for c in TRANSPOSED])

@@ -101,7 +101,9 @@ def _local_call(layer: Layer, op: LocalOp, batch: int) -> tuple[Callable[[torch.
                 span = m.dilation[a] * (m.kernel_size[a] - 1) + 1
                 shape[a + 2] = (op.out_local[a + 1] - 1) * m.stride[a] + span
                 pads[a] = 0
-        return (lambda x: F.conv3d(x, m.weight, m.bias, m.stride, tuple(pads), m.dilation, m.groups)), \
+        from parallel.layers.conv import conv3d
+
+        return (lambda x: conv3d(x, m.weight, m.bias, m.stride, tuple(pads), m.dilation, m.groups)), \
             torch.randn(shape)
     if isinstance(m, (nn.BatchNorm3d, nn.InstanceNorm3d, nn.GroupNorm)) and any(op.split):
         from parallel.layers import norm

@@ -86,7 +86,7 @@ def _step_args(p: argparse.ArgumentParser) -> None:
                    help="model overrides for the U-Net (default: a small one)")
     p.add_argument("--no-weak", action="store_true")
     p.add_argument("--overlap", action="store_true", help="hide the halo exchanges behind the interior")
-    p.add_argument("--spatial", default="1x1x2", help="the 2-way split (1x1x2: along W, oneDNN's fast shapes)")
+    p.add_argument("--spatial", default="2x1x1", help="the 2-way split (default along D, as the readers slab)")
     p.add_argument("--calibration", default=None, help="plan calibration (default: measure it now if missing)")
 
 
