@@ -38,8 +38,8 @@ def test_step_measures_and_predicts_every_grid(tmp_path: Path):
     assert all(v > 0 for v in step["predicted_s"].values())
     assert all(v > 0 for v in step["measured_best_s"].values())
     saved = json.loads(cal.read_text())
-    # Both blocks (serial and split along W) and both local batches (2, and 1 for data 2) were timed.
+    # Both blocks (serial and split along D) and both local batches (2, and 1 for data 2) were timed.
     keys = saved["layer_seconds"]
     assert any("in 2x4x8x8x8 | split 000" in k for k in keys) and any("in 1x4x8x8x8 | split 000" in k for k in keys)
-    assert any("in 2x4x8x8x4 | split 001" in k for k in keys)
+    assert any("in 2x4x4x8x8 | split 100" in k for k in keys)
     assert rows[-1]["cosmoflow_worst_prediction_error"] == max(abs(e) for e in step["prediction_error"].values())

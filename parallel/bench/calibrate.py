@@ -18,6 +18,7 @@ from torch import nn
 import parallel
 from parallel.bench.ranks import run_ranks
 from parallel.grid import Grid
+from parallel.layers.conv import conv3d
 from parallel.plan import Layer, LocalOp, first_layer, local_ops, op_key
 
 
@@ -34,7 +35,8 @@ def _best(fn: Callable[[], None], trials: int) -> float:
 def conv_throughput(shapes: Sequence[tuple[int, int, int, tuple[int, int, int], bool]],
                     trials: int = 3) -> dict[str, float]:
     """Forward+backward flop/s of ``Conv3d(cin, cout, k, padding=k//2)`` on a (1, cin, *size)
-    block; without the input gradient where the last item is False (a model's first conv)."""
+    block, as the spatial conv runs it (``parallel.layers.conv.conv3d``); without the input
+    gradient where the last item is False (a model's first conv)."""
     out: dict[str, list[list[float]]] = {}
     for cin, cout, k, size, input_grad in shapes:
         x = torch.randn(1, cin, *size, requires_grad=input_grad)
@@ -44,7 +46,7 @@ def conv_throughput(shapes: Sequence[tuple[int, int, int, tuple[int, int, int], 
         def step() -> None:
             x.grad = None
             conv.zero_grad(set_to_none=True)
-            conv(x).backward(g)
+            conv3d(x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation, 1).backward(g)
 
         secs = _best(step, trials)
         voxels = size[0] * size[1] * size[2]
@@ -101,8 +103,6 @@ def _local_call(layer: Layer, op: LocalOp, batch: int) -> tuple[Callable[[torch.
                 span = m.dilation[a] * (m.kernel_size[a] - 1) + 1
                 shape[a + 2] = (op.out_local[a + 1] - 1) * m.stride[a] + span
                 pads[a] = 0
-        from parallel.layers.conv import conv3d
-
         return (lambda x: conv3d(x, m.weight, m.bias, m.stride, tuple(pads), m.dilation, m.groups)), \
             torch.randn(shape)
     if isinstance(m, (nn.BatchNorm3d, nn.InstanceNorm3d, nn.GroupNorm)) and any(op.split):
