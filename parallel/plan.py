@@ -123,6 +123,7 @@ class Layer:
     halo: tuple[int, ...] = ()   # input voxels beyond the block on each side, per dim (D, H, W)
     flops: float = 0.0           # forward multiply-adds x 2, per sample
     spec: str = ""               # the module's repr: its type and settings (the key of its timings)
+    block: int = -1              # the activation-checkpointing block it belongs to (parallel.recompute)
     module: nn.Module | None = field(default=None, repr=False, compare=False)  # on the meta device
 
 
@@ -156,9 +157,13 @@ def trace(model: nn.Module, in_shape: Sequence[int]) -> list[Layer]:
                 kind = "linear"
                 flops = 2.0 * m.in_features * m.out_features
             layers.append(Layer(kind, name, tuple(x.shape[1:]), tuple(y.shape[1:]), params,
-                                kernel, stride, halo, float(flops), " ".join(repr(m).split()), m))
+                                kernel, stride, halo, float(flops), " ".join(repr(m).split()),
+                                block_of.get(name, -1), m))
         return record
 
+    from parallel.recompute import block_leaves
+
+    block_of = {name: b for b, names in enumerate(block_leaves(model)) for name in names}
     for name, m in model.named_modules():
         if not list(m.children()):
             hooks.append(m.register_forward_hook(hook(name)))
@@ -242,6 +247,31 @@ def op_key(layer: Layer, op: LocalOp, batch: int) -> str:
     return f"{layer.spec} | in {batch}x{shape} | split {split}{' flat' if op.flat_split else ''} | grad {int(op.input_grad)}"
 
 
+def _peak_activations(kept: list[float], working: list[float], blocks: list[int], recompute: bool) -> float:
+    """Peak bytes of activations and gradients over a step, besides the model input. The
+    backward of layer ``i`` holds what layers ``0..i`` kept plus its two gradients (later
+    layers' tensors are freed by then). Under recomputation, a block (``blocks[i]`` >= 0,
+    as ``parallel.recompute`` cuts them) keeps only its output through the forward, and
+    holds its recomputed internals while it is backpropagated."""
+    n = len(kept)
+    last = [i == n - 1 or blocks[i] < 0 or blocks[i + 1] != blocks[i] for i in range(n)]
+    through = [k if not recompute or blocks[i] < 0 or last[i] else 0.0 for i, k in enumerate(kept)]
+    peak = sum(through)
+    before = 0.0      # kept through the forward by the layers before the current block/layer
+    inner = 0.0       # the current block's recomputed internals so far
+    for i in range(n):
+        if recompute and blocks[i] >= 0:
+            inner += kept[i]
+            peak = max(peak, before + inner + working[i])
+            if last[i]:
+                before += through[i]
+                inner = 0.0
+        else:
+            before += through[i]
+            peak = max(peak, before + working[i])
+    return peak
+
+
 def predict(layers: list[Layer], machine: Machine, data: int, spatial: Sequence[int],
             opts: Options) -> dict[str, float]:
     """Predicted seconds per step, bytes of memory and bytes read per rank for one split."""
@@ -250,8 +280,9 @@ def predict(layers: list[Layer], machine: Machine, data: int, spatial: Sequence[
     batch = math.ceil(opts.global_batch / data)
     compute = comm = exposed = overhead = 0.0
     measured = 0
-    act = 0.0
-    block_act = block_max = 0.0
+    kept: list[float] = []
+    working: list[float] = []
+    model_input = 0.0
     params = 0
     for i, (layer, op) in enumerate(zip(layers, local_ops(layers, spatial))):
         params += layer.params
@@ -309,18 +340,23 @@ def predict(layers: list[Layer], machine: Machine, data: int, spatial: Sequence[
             t = 4 * (2 * (s - 1) * machine.ar_alpha + 2 * (s - 1) / s * nbytes / machine.ar_beta)
             comm += t
             exposed += t
-        saved = out_bytes + (in_bytes if layer.kind in ("conv", "convT", "pool") else 0.0)
-        act += saved
-        block_act += saved
-        if layer.kind == "pool":
-            block_max = max(block_max, block_act)
-            block_act = 0.0
-    block_max = max(block_max, block_act)
-    if opts.recompute:  # block inputs kept, one block's internals live at a time
-        inputs = [layers[0].in_shape] + [l.out_shape for l in layers if l.kind == "pool"]
-        kept = sum(math.prod(_local(shape, spatial)) * opts.act_bytes * batch
-                   for shape in inputs if len(shape) == 4)
-        act = kept + block_max
+        # Tensors kept for the backward: each layer's output (its successor saves it), a
+        # split conv's window, max-pooling indices (int64), the model input; an in-place
+        # layer makes none. During its backward a layer also holds two gradients.
+        inplace = bool(getattr(layer.module, "inplace", False))
+        saved = 0.0 if inplace else out_bytes
+        if i == 0:
+            model_input = in_bytes
+        elif layer.in_shape != layers[i - 1].out_shape:  # built outside the leaf layers (a concatenation)
+            saved += in_bytes
+        if split_layer and layer.kind == "conv":
+            saved += in_bytes
+        if layer.spec.startswith("MaxPool"):
+            saved += math.prod(out_local) * 8 * batch
+        kept.append(saved)
+        working.append(in_bytes + out_bytes)
+    act = model_input + _peak_activations(kept, working, [l.block for l in layers], opts.recompute)
+    if opts.recompute:
         compute *= 4.0 / 3.0  # one more forward
     grad_bytes = params * 4
     allreduce = 0.0

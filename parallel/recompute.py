@@ -125,22 +125,62 @@ def _patch_module(module: nn.Module) -> None:
     module.forward = _recomputed(original, module)  # type: ignore[method-assign]
 
 
+def _visit(model: nn.Module, on_sequential: Callable[[str, nn.Sequential], None],
+           on_module: Callable[[str, nn.Module], None]) -> None:
+    """Call ``on_sequential`` for each Sequential cut at its pools and ``on_module`` for each
+    module block (see the module docstring), with their qualified names."""
+
+    def visit(name: str, module: nn.Module, root: bool) -> None:
+        children = list(module.named_children())
+        if isinstance(module, nn.Sequential) and any(isinstance(c, POOLS) for _, c in children):
+            on_sequential(name, module)
+            return
+        if not root and any(isinstance(c, CONVS) for _, c in children):
+            on_module(name, module)
+            return
+        for child_name, c in children:
+            visit(f"{name}.{child_name}" if name else child_name, c, False)
+
+    visit("", model, True)
+
+
 def checkpoint_blocks(model: nn.Module) -> int:
     """Recompute each block of ``model`` in the backward; returns the number of blocks."""
     count = 0
 
-    def visit(module: nn.Module, root: bool) -> None:
+    def sequential(_: str, seq: nn.Sequential) -> None:
         nonlocal count
-        children = list(module.children())
-        if isinstance(module, nn.Sequential) and any(isinstance(c, POOLS) for c in children):
-            count += _patch_sequential(module)
-            return
-        if not root and any(isinstance(c, CONVS) for c in children):
-            _patch_module(module)
-            count += 1
-            return
-        for c in children:
-            visit(c, False)
+        count += _patch_sequential(seq)
 
-    visit(model, True)
+    def module(_: str, m: nn.Module) -> None:
+        nonlocal count
+        _patch_module(m)
+        count += 1
+
+    _visit(model, sequential, module)
     return count
+
+
+def block_leaves(model: nn.Module) -> list[list[str]]:
+    """The qualified names of the leaf modules of each block ``checkpoint_blocks`` would make,
+    in order (for ``parallel.plan``'s memory model)."""
+    blocks: list[list[str]] = []
+
+    def leaves(prefix: str, m: nn.Module) -> list[str]:
+        found = [f"{prefix}.{n}" if n else prefix for n, c in m.named_modules() if not list(c.children())]
+        return [f for f in found if f]
+
+    def sequential(name: str, seq: nn.Sequential) -> None:
+        blocks.append([])
+        for child_name, child in seq.named_children():
+            blocks[-1] += leaves(f"{name}.{child_name}" if name else child_name, child)
+            if isinstance(child, POOLS):
+                blocks.append([])
+        if not blocks[-1]:
+            blocks.pop()
+
+    def module(name: str, m: nn.Module) -> None:
+        blocks.append(leaves(name, m))
+
+    _visit(model, sequential, module)
+    return blocks

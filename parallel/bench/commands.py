@@ -192,13 +192,17 @@ def memory(args: argparse.Namespace) -> Rows:
             if world == 1:
                 serial[recompute] = above
             base = serial.get(recompute) or serial.get(False)
+            # One step: SGD's momentum is created after the backward's peak, so none is counted.
             pred = predict(layers, Machine.load(None), 1, spatial,
-                           Options(global_batch=args.batch, stored_bytes_per_voxel=stored, recompute=recompute))
+                           Options(global_batch=args.batch, stored_bytes_per_voxel=stored, recompute=recompute,
+                                   optimizer_states=0))
             row = {"kind": "memory", "model": args.model, "size": args.size, "spatial": spatial,
                    "recompute": recompute, "peak_bytes_per_rank": max(r["peak_bytes"] for r in ranks),
                    "baseline_bytes": max(r["baseline_bytes"] for r in ranks), "above_baseline_bytes": above,
                    "ratio_to_serial": above / base if base else None,
-                   "predicted_activation_bytes": pred["activation_bytes"], "seconds": time.perf_counter() - t0}
+                   "predicted_activation_bytes": pred["activation_bytes"],
+                   "predicted_above_baseline_bytes": pred["memory_bytes"] - Machine.load(None).baseline_memory,
+                   "seconds": time.perf_counter() - t0}
             yield row
             key = f"{'recompute_' if recompute else ''}spatial{world}_over_serial"
             summary[key] = row["ratio_to_serial"]
