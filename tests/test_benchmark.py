@@ -43,3 +43,16 @@ def test_step_measures_and_predicts_every_grid(tmp_path: Path):
     assert any("in 2x4x8x8x8 | split 000" in k for k in keys) and any("in 1x4x8x8x8 | split 000" in k for k in keys)
     assert any("in 2x4x4x8x8 | split 100" in k for k in keys)
     assert rows[-1]["cosmoflow_worst_prediction_error"] == max(abs(e) for e in step["prediction_error"].values())
+
+
+def test_memory_reports_each_rank_above_its_own_baseline():
+    rows = _run("memory", "--size", "16", "--splits", "1x1x1,2x1x1", "--set", "model.n_conv_blocks=2",
+                "model.conv_filters=8", "model.dense_sizes=[8]")
+    serial, split = rows[0], rows[1]
+    assert serial["spatial"] == [1, 1, 1] and split["spatial"] == [2, 1, 1]
+    # The baseline is the rank's own resident memory after a warm-up step, not the peak a
+    # spawned process inherits from its parent; the peak is above it.
+    assert 0 < serial["baseline_bytes"] < serial["peak_bytes_per_rank"]
+    assert serial["above_baseline_bytes"] > 0 and serial["ratio_to_serial"] == 1.0
+    assert split["ratio_to_serial"] == rows[-1]["spatial2_over_serial"] > 0
+    assert serial["predicted_above_baseline_bytes"] > split["predicted_above_baseline_bytes"] > 0

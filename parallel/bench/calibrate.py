@@ -4,7 +4,6 @@ fixed memory of a rank. One thread per rank, as the training runs."""
 
 from __future__ import annotations
 
-import resource
 import statistics
 import time
 from pathlib import Path
@@ -149,7 +148,9 @@ def layer_seconds(layers: list[Layer], cases: Sequence[tuple[Sequence[int], int]
 def _network(grid: Grid, sizes: Sequence[int], trials: int) -> dict[str, Any]:
     rank = grid.rank
     peer = 1 - rank
-    res: dict[str, Any] = {"baseline_memory": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    from parallel.bench.step import resident_bytes
+
+    res: dict[str, Any] = {"baseline_memory": resident_bytes()}  # not the peak: inherited across exec
     p2p, ar = [], []
     for n in sizes:
         buf = torch.zeros(n // 4)

@@ -55,10 +55,19 @@ def setup_logging(cfg: RunConfig, rank: int) -> None:
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """Peak device memory (CUDA) or peak resident set size of this process (CPU)."""
+    """Peak device memory (CUDA) or peak resident set size of this process (CPU: Linux's
+    VmHWM; ``ru_maxrss`` would report the launcher's peak where that is larger, as it is
+    inherited across exec)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux and BSD report KiB
 
 
 def gather_per_rank(values: list[float], grid: Grid) -> torch.Tensor:
