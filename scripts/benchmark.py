@@ -25,6 +25,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank, before tor
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import signal  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -33,7 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from parallel.bench import commands  # noqa: E402
 
 
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds through run_ranks, which kills the spawned ranks
+
+
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _terminated)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     for name, (add_args, _) in commands.COMMANDS.items():

@@ -56,3 +56,49 @@ def test_memory_reports_each_rank_above_its_own_baseline():
     assert serial["above_baseline_bytes"] > 0 and serial["ratio_to_serial"] == 1.0
     assert split["ratio_to_serial"] == rows[-1]["spatial2_over_serial"] > 0
     assert serial["predicted_above_baseline_bytes"] > split["predicted_above_baseline_bytes"] > 0
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def test_sigterm_stops_the_spawned_ranks_too():
+    import os
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "benchmark.py"), "layer", "--size", "48",
+                             "--channels", "16", "--trials", "50"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(ranks) < 2:  # two ranks plus spawn's resource tracker
+            ranks = [c for c in _children(proc.pid)
+                     if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text(errors="replace")]
+            time.sleep(0.2)
+        assert len(ranks) == 2, "the ranks did not start"
+        time.sleep(2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+        gone = time.monotonic() + 15
+        while time.monotonic() < gone and any(Path(f"/proc/{r}").exists() for r in ranks):
+            time.sleep(0.2)
+        left = [r for r in ranks if Path(f"/proc/{r}").exists() and "Z" not in Path(f"/proc/{r}/stat").read_text()]
+        assert not left, f"ranks {left} outlived the benchmark"
+    finally:
+        proc.kill()
+        for r in set(ranks) | set(_children(proc.pid)):
+            try:
+                os.kill(r, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

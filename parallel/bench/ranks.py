@@ -49,6 +49,7 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, spatial: Sequence[
         p.start()
     got: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
+    finished = False
     try:
         while len(got) < world:
             try:
@@ -61,8 +62,11 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, spatial: Sequence[
             if not ok:
                 raise RuntimeError(f"{getattr(fn, '__name__', fn)} failed on rank {rank}:\n{value}")
             got[rank] = value
+        finished = True
     finally:
         for p in procs:
+            if not finished:  # a failure, Ctrl-C or SIGTERM: the others may wait in a collective
+                p.kill()
             p.join(timeout=10.0)
             if p.is_alive():
                 p.kill()
