@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -31,7 +33,9 @@ def test_step_measures_and_predicts_every_grid(tmp_path: Path):
     each from a calibration it measures (with each layer's local time) when none exists."""
     cal = tmp_path / "cal.json"
     rows = _run("step", "--models", "cosmoflow", "--size", "8", "--trials", "1", "--calibration", str(cal),
-                "--cosmoflow-set", "model.n_conv_blocks=2", "model.conv_filters=4", timeout=400)
+                "--cosmoflow-set", "model.n_conv_blocks=2", "model.conv_filters=4", "--plot", str(tmp_path),
+                timeout=400)
+    assert rows[-1]["plot"] == str(tmp_path / "step.png") and _is_png(tmp_path / "step.png")
     step = rows[0]
     grids = {"serial", "spatial2", "data2", "spatial2_weak"}
     assert set(step["measured_best_s"]) == grids and set(step["predicted_s"]) == grids
@@ -45,9 +49,14 @@ def test_step_measures_and_predicts_every_grid(tmp_path: Path):
     assert rows[-1]["cosmoflow_worst_prediction_error"] == max(abs(e) for e in step["prediction_error"].values())
 
 
-def test_memory_reports_each_rank_above_its_own_baseline():
+def _is_png(path: Path) -> bool:
+    return path.is_file() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_memory_reports_each_rank_above_its_own_baseline(tmp_path: Path):
     rows = _run("memory", "--size", "16", "--splits", "1x1x1,2x1x1", "--set", "model.n_conv_blocks=2",
-                "model.conv_filters=8", "model.dense_sizes=[8]")
+                "model.conv_filters=8", "model.dense_sizes=[8]", "--plot", str(tmp_path))
+    assert _is_png(tmp_path / "memory.png")
     serial, split = rows[0], rows[1]
     assert serial["spatial"] == [1, 1, 1] and split["spatial"] == [2, 1, 1]
     # The baseline is the rank's own resident memory after a warm-up step, not the peak a
@@ -102,3 +111,13 @@ def test_sigterm_stops_the_spawned_ranks_too():
                 os.kill(r, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_io_reads_a_share_of_the_bytes_per_rank(tmp_path: Path):
+    rows = _run("io", "--size", "16", "--samples", "2", "--codecs", "none,zstd", "--spatial", "2,2x2x1",
+                "--repeat", "1", "--plot", str(tmp_path))
+    by_codec = {r["codec"]: r for r in rows if r["kind"] == "io"}
+    assert set(by_codec) == {"none", "zstd"}
+    assert by_codec["none"]["blocks"]["2x1x1"]["share_of_whole_bytes"] == pytest.approx(0.5, abs=1e-3)
+    assert by_codec["none"]["blocks"]["2x2x1"]["share_of_whole_bytes"] == pytest.approx(0.25, abs=1e-3)
+    assert rows[-1]["plot"] == str(tmp_path / "io.png") and _is_png(tmp_path / "io.png")

@@ -115,6 +115,7 @@ def step(args: argparse.Namespace) -> Rows:
     if math.prod(split) != 2:
         raise SystemExit(f"--spatial {args.spatial}: the step benchmark compares 2-way splits")
     summary: dict[str, Any] = {"kind": "summary", "command": "step", "spatial": list(split), "load_before": load()}
+    plotted: dict[str, tuple[dict[str, float], dict[str, float]]] = {}
     for name in args.models.split(","):
         over = args.cosmoflow_set if name == "cosmoflow" else args.unet3d_set
         weak = None if args.no_weak else [n * s for n, s in zip(size, split)]
@@ -144,6 +145,24 @@ def step(args: argparse.Namespace) -> Rows:
         if "weak_efficiency_spatial2" in r:
             summary[f"{name}_weak_efficiency_spatial2"] = r["weak_efficiency_spatial2"]
         summary[f"{name}_worst_prediction_error"] = max(abs(e) for e in error.values())
+        plotted[name] = (r["best_seconds"], predicted)
+
+    def draw(ax: Any) -> None:
+        labels, measured, model = [], [], []
+        for name, (best, pred) in plotted.items():
+            for grid in best:
+                labels.append(f"{name}\n{grid}")
+                measured.append(best[grid])
+                model.append(pred.get(grid, 0.0))
+        xs = range(len(labels))
+        ax.bar([x - 0.2 for x in xs], measured, 0.4, label="measured (best trial)")
+        ax.bar([x + 0.2 for x in xs], model, 0.4, label="parallel.plan")
+        ax.set_xticks(list(xs), labels, fontsize=7)
+        ax.set_ylabel("seconds per step")
+        ax.set_title(f"step time, {'x'.join(map(str, size))}, global batch {args.batch}")
+        ax.legend()
+
+    summary["plot"] = _plot(args, "step", draw)
     summary["load_after"] = load()
     yield summary
 
@@ -261,6 +280,7 @@ def io(args: argparse.Namespace) -> Rows:
     splits = parse_splits(args.spatial)
     samples = [synthetic.sample(0, 0, i, args.size) for i in range(args.samples)]
     summary: dict[str, Any] = {"kind": "summary", "command": "io", "load_before": load()}
+    speedups: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for codec in args.codecs.split(","):
             d = Path(tmp) / codec.replace(":", "_")
@@ -289,7 +309,22 @@ def io(args: argparse.Namespace) -> Rows:
                 summary[f"{codec}_{key}_bytes_share"] = row["blocks"][key]["share_of_whole_bytes"]
                 summary[f"{codec}_{key}_speedup"] = row["blocks"][key]["speedup_over_whole"]
             summary[f"{codec}_whole_over_raw_throughput"] = whole["stored_MBps"] / row["raw_read_MBps"]
+            speedups[codec] = {k: v["speedup_over_whole"] for k, v in row["blocks"].items()}
             yield row
+
+    def draw(ax: Any) -> None:
+        grids = list(next(iter(speedups.values())).keys()) if speedups else []
+        width = 0.8 / max(len(speedups), 1)
+        for i, (codec, by_grid) in enumerate(speedups.items()):
+            ax.bar([g + i * width for g in range(len(grids))], [by_grid[k] for k in grids], width, label=codec)
+        ax.set_xticks([g + 0.4 - width / 2 for g in range(len(grids))], grids)
+        ax.axhline(1.0, color="grey", lw=0.5)
+        ax.set_xlabel("spatial split")
+        ax.set_ylabel("per-rank read speedup over whole samples")
+        ax.set_title(f"block reads, {args.size}^3")
+        ax.legend(fontsize=7)
+
+    summary["plot"] = _plot(args, "io", draw)
     summary["load_after"] = load()
     yield summary
 
