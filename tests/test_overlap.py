@@ -15,7 +15,8 @@ from test_layers import CONV
 
 OVERLAPPED = [c for c in CONV if c[0] in {
     "k3-pad1-D2", "k5-pad2-H3-uneven19", "k3-stride2-pad1-H3-uneven19", "k3-same-H3", "k3-circular-D2",
-    "k3-groups2-nobias-D2", "k3-corners-1x2x2", "k3-dilation2-pad2-D2"}]
+    "k3-groups2-nobias-D2", "k3-corners-1x2x2", "k3-dilation2-pad2-D2", "k3-pad1-D2-thin-reordered",
+    "k313-stride121-D2-thin-reordered"}]
 
 
 @pytest.mark.parametrize("case_id,build,shape,spatial", OVERLAPPED, ids=[c[0] for c in OVERLAPPED])

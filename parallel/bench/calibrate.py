@@ -17,7 +17,7 @@ from torch import nn
 import parallel
 from parallel.bench.ranks import run_ranks
 from parallel.grid import Grid
-from parallel.layers.conv import conv3d
+from parallel.layers.kernels import conv3d
 from parallel.plan import Layer, LocalOp, first_layer, local_ops, op_key
 
 

@@ -10,13 +10,8 @@ the output blocks (the adjoint of the convolution's halo exchange).
 
 Along dims that are not split, the layer pads natively where torch can.
 
-Blocks are thin, and torch's CPU heuristic (``ConvParams::use_mkldnn``) sends a float32
-3-D convolution with batch 1, one group and a kernel at most 3 wide to its native
-kernel when N*C*D*H <= 20480, counting only the first two spatial dims: a 4x32x128x128
-block of the first CosmoFlow conv (split 4 ways along D) takes a vol2col path that is
-~40% slower and holds a 226 MB column buffer in the weight gradient, where the same
-block laid out with D last goes to oneDNN. ``conv3d`` permutes such blocks (the
-convolution's maths does not depend on the order of its spatial dims).
+The convolution itself runs through ``parallel.layers.kernels.conv3d``, which keeps thin
+CPU blocks on oneDNN.
 """
 
 from __future__ import annotations
@@ -28,34 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel.halo import ExchangePlan, fetch, reduce
+from parallel.layers.kernels import conv3d
 from parallel.layers.base import SpatialMixin, sliding_windows
 from parallel.layers.overlap import OverlapConv, OverlapPlan, interior, overlap_plan
 from parallel.partition import DIM_NAMES, SplitError, block_bounds
-
-
-_NATIVE_LIMIT = 20480  # torch's threshold on N*C*D*H below which batch-1 CPU convs go native
-
-
-def conv3d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: tuple[int, ...],
-           padding: tuple[int, ...], dilation: tuple[int, ...], groups: int) -> torch.Tensor:
-    """``F.conv3d``, with the spatial dims reordered where that moves a thin CPU block from
-    torch's native kernel to oneDNN (see the module docstring); the result is the same
-    tensor (a permuted view of it)."""
-    n, c, *dims = x.shape
-    if (x.device.type != "cpu" or x.dtype != torch.float32 or n != 1 or groups != 1
-            or n * c * dims[0] * dims[1] > _NATIVE_LIMIT or not torch.backends.mkldnn.is_available()
-            or not torch.backends.mkldnn.enabled or (weight.shape[-1] > 3 and weight.shape[-2] > 3)):
-        return F.conv3d(x, weight, bias, stride, padding, dilation, groups)
-    order = sorted(range(3), key=lambda a: -dims[a])  # the two largest dims first
-    if n * c * dims[order[0]] * dims[order[1]] <= _NATIVE_LIMIT:
-        return F.conv3d(x, weight, bias, stride, padding, dilation, groups)
-    perm = (0, 1, *(a + 2 for a in order))
-    inverse = [0] * 5
-    for i, p in enumerate(perm):
-        inverse[p] = i
-    y = F.conv3d(x.permute(perm), weight.permute(perm), bias, tuple(stride[a] for a in order),
-                 tuple(padding[a] for a in order), tuple(dilation[a] for a in order), groups)
-    return y.permute(inverse)
 
 
 def conv_pads(conv: nn.Conv3d, axis: int) -> tuple[int, int]:

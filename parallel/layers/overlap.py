@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from parallel.halo import ExchangePlan, fetch_all, in_background, reduce_all
+from parallel.layers.kernels import conv3d, conv3d_backward
 
 Range = tuple[int, int]
 
@@ -113,8 +113,8 @@ class OverlapConv(torch.autograd.Function):
             bias = None if bias is None else bias.detach().to(dtype)
             pending = in_background(fetch_all, x, plan.steps)
             try:
-                inner = F.conv3d(x[_in_index(plan.interior, plan, stride, span, True)], weight, bias,
-                                 stride, pads, dilation, groups)
+                inner = conv3d(x[_in_index(plan.interior, plan, stride, span, True)], weight, bias,
+                               stride, pads, dilation, groups)
             finally:
                 window = pending.result()
             shape = [inner.shape[0], inner.shape[1]]
@@ -124,8 +124,8 @@ class OverlapConv(torch.autograd.Function):
             out[_out_index(plan.interior)] = inner
             del inner
             for r in plan.slabs:
-                out[_out_index(r)] = F.conv3d(window[_in_index(r, plan, stride, span, False)], weight, bias,
-                                              stride, pads, dilation, groups)
+                out[_out_index(r)] = conv3d(window[_in_index(r, plan, stride, span, False)], weight, bias,
+                                            stride, pads, dilation, groups)
         ctx.save_for_backward(window, weight)
         ctx.plan, ctx.conv, ctx.dtypes, ctx.has_bias = plan, conv, dtypes, bias is not None
         ctx.x_shape = tuple(x.shape)
@@ -141,10 +141,8 @@ class OverlapConv(torch.autograd.Function):
 
         def conv_backward(region: tuple[Range, ...]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
             """Input and weight gradients of one output region, in one call."""
-            gi, gw, _ = torch.ops.aten.convolution_backward(
-                grad[_out_index(region)], window[_in_index(region, plan, stride, span, False)], weight, None,
-                stride, pads, dilation, False, [0, 0, 0], groups, [need_x, need_w, False])
-            return gi, gw
+            return conv3d_backward(grad[_out_index(region)], window[_in_index(region, plan, stride, span, False)],
+                                   weight, stride, pads, dilation, groups, (need_x, need_w))
 
         gw_total = None
         pending = None
