@@ -31,6 +31,18 @@ def _best(fn: Callable[[], None], trials: int) -> float:
     return min(times)  # the least disturbed trial: other processes only ever add time
 
 
+def _median(fn: Callable[[], None], trials: int) -> float:
+    """Median seconds of ``fn`` after a warm-up call: a layer timed once or twice alone
+    was seen to come out 30% fast or slow (the allocator's and the clock's state)."""
+    fn()
+    times = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def conv_throughput(shapes: Sequence[tuple[int, int, int, tuple[int, int, int], bool]],
                     trials: int = 3) -> dict[str, float]:
     """Forward+backward flop/s of ``Conv3d(cin, cout, k, padding=k//2)`` on a (1, cin, *size)
@@ -120,7 +132,7 @@ def _local_call(layer: Layer, op: LocalOp, batch: int) -> tuple[Callable[[torch.
     return m, torch.randn(shape)
 
 
-def layer_seconds(layers: list[Layer], cases: Sequence[tuple[Sequence[int], int]], trials: int = 2,
+def layer_seconds(layers: list[Layer], cases: Sequence[tuple[Sequence[int], int]], trials: int = 3,
                   known: dict[str, float] | None = None) -> dict[str, float]:
     """Forward+backward seconds of each layer's local computation for each (spatial split,
     local batch) in ``cases``, keyed by ``parallel.plan.op_key``; keys in ``known`` are kept."""
@@ -141,7 +153,7 @@ def layer_seconds(layers: list[Layer], cases: Sequence[tuple[Sequence[int], int]
                 if grad is not None and y.requires_grad:
                     y.backward(grad)
 
-            out[key] = _best(step, trials)
+            out[key] = _median(step, trials)
     return out
 
 
