@@ -100,11 +100,19 @@ class Machine:
 
     @classmethod
     def load(cls, path: str | os.PathLike | None = None) -> "Machine":
-        """The calibration file if it exists, else the defaults above."""
+        """The calibration file ``path``; without one, the default file if it exists, else the
+        defaults above (a missing file that was asked for by name is an error)."""
         p = Path(path) if path is not None else DEFAULT_CALIBRATION
         if not p.is_file():
+            if path is not None:
+                raise FileNotFoundError(f"calibration file {p} not found; write one with "
+                                        "'python scripts/benchmark.py calibrate --calibration FILE'")
             return cls()
-        data = json.loads(p.read_text(encoding="utf-8"))
+        try:
+            data = json.loads(p.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            raise ValueError(f"calibration file {p} is unreadable ({err}); measure it again with "
+                             "'python scripts/benchmark.py calibrate'") from None
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in data.items() if k in known})
 
@@ -440,8 +448,10 @@ def auto_spatial(cfg: Any, family: Any, world_size: int | None = None) -> list[i
     """``parallel.spatial=auto``: the spatial split of the fastest (data x spatial) split that
     fits, for this job's model, sample volume, global batch and world size.
 
-    Every rank computes it from the same inputs (config, the first training file's volume,
-    the calibration file), so all choose the same split without talking.
+    The training loop calls it on rank 0 only and broadcasts the answer
+    (``parallel.init``), so every rank builds the same grid whatever its own files say.
+    The calibration is ``$SPATIALCNN_CALIBRATION`` or ``runs/calibration.json``; without
+    one the model's built-in figures are used, and a warning says so.
     """
     import h5py
 
@@ -468,6 +478,12 @@ def auto_spatial(cfg: Any, family: Any, world_size: int | None = None) -> list[i
                    stored_bytes_per_voxel=dtype_bytes * channels, overlap=cfg.parallel.overlap_halo,
                    recompute=cfg.train.activation_checkpointing,
                    optimizer_states=2 if str(cfg.optim.name) == "adamw" else 1)
+    if not DEFAULT_CALIBRATION.is_file():
+        import logging
+
+        logging.getLogger("parallel").warning(
+            "parallel.spatial=auto: no calibration at %s; using built-in figures (write one with "
+            "'python scripts/benchmark.py calibrate', or point SPATIALCNN_CALIBRATION at one)", DEFAULT_CALIBRATION)
     spatial = choose(layers, Machine.load(), world, _memory_per_rank(cfg), opts)
     return list(spatial)
 
@@ -526,7 +542,11 @@ def main(argv: list[str] | None = None) -> int:
     size = args.size * 3 if len(args.size) == 1 else args.size
     model, in_shape, stored = build_model(args.model, size, args.set)
     layers = trace(model, in_shape)
-    m = Machine.load(args.calibration)
+    try:
+        m = Machine.load(args.calibration)
+    except (OSError, ValueError) as err:
+        print(f"parallel.plan: {err}", file=sys.stderr)
+        return 2
     if args.compute_scale != 1.0:
         m.scaled(args.compute_scale)
     if args.alpha is not None:

@@ -143,3 +143,16 @@ def test_measured_layer_times_replace_the_estimates():
     # Keys not measured fall back to the throughput estimate.
     m = Machine(layer_seconds={}, layer_overhead=0.0)
     assert plan.predict(layers, m, 1, (1, 1, 1), Options(global_batch=2))["measured_layers"] == 0.0
+
+
+def test_calibration_files_named_but_missing_or_broken_are_errors(tmp_path: Path, capsys):
+    assert plan.main(["--model", "cosmoflow", "--size", "32", "--devices", "2", "--set", "model.n_conv_blocks=3",
+                      "--calibration", str(tmp_path / "nope.json")]) == 2
+    assert "nope.json not found" in capsys.readouterr().err
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    with pytest.raises(ValueError, match="broken.json is unreadable"):
+        Machine.load(broken)
+    good = tmp_path / "good.json"
+    good.write_text('{"p2p_alpha": 0.5, "unknown_field": 1}')
+    assert Machine.load(good).p2p_alpha == 0.5
