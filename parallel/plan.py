@@ -14,7 +14,8 @@ the sample's stored bytes over the spatial size, times the local batch.
         --set model.n_conv_blocks=7 --batch 64 --alpha 5e-6 --bandwidth 25e9 --compute-scale 100
     python -m parallel.plan --model cosmoflow --size 64 --devices 2 --batch 2   # this machine
 
-``parallel.spatial=auto`` in a training config asks ``choose`` for the world size at hand.
+``parallel.spatial=auto`` in a training config asks ``choose`` for the world size at hand
+(``parallel.train.autosplit``).
 """
 
 from __future__ import annotations
@@ -422,70 +423,6 @@ def choose(layers: list[Layer], machine: Machine, devices: int, memory_limit: fl
         raise ValueError(f"no (data x spatial) split of {devices} devices suits this model")
     best = next((r for r in rows if r["best"]), min(rows, key=lambda r: r["memory_bytes"]))
     return tuple(best["spatial"])  # type: ignore[return-value]
-
-
-# -- parallel.spatial=auto ----------------------------------------------------------------
-
-def world_size_from_env(env: dict[str, str] | None = None) -> int:
-    """The job's world size as the launcher announces it (before torch.distributed starts)."""
-    env = dict(os.environ) if env is None else env
-    for key in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS"):
-        if env.get(key, "").isdigit():
-            return int(env[key])
-    return 1
-
-
-def _memory_per_rank(cfg: Any) -> float:
-    if cfg.parallel.device_memory_gb > 0:
-        return cfg.parallel.device_memory_gb * 1e9
-    if torch.cuda.is_available():
-        return float(torch.cuda.get_device_properties(0).total_memory)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", "1")) or 1)
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(local, 1)
-
-
-def auto_spatial(cfg: Any, family: Any, world_size: int | None = None) -> list[int]:
-    """``parallel.spatial=auto``: the spatial split of the fastest (data x spatial) split that
-    fits, for this job's model, sample volume, global batch and world size.
-
-    The training loop calls it on rank 0 only and broadcasts the answer
-    (``parallel.init``), so every rank builds the same grid whatever its own files say.
-    The calibration is ``$SPATIALCNN_CALIBRATION`` or ``runs/calibration.json``; without
-    one the model's built-in figures are used, and a warning says so.
-    """
-    import h5py
-
-    from parallel.data.format import sample_files
-    from parallel.train.preflight import sample_spec
-
-    world = world_size if world_size is not None else world_size_from_env()
-    spec = sample_spec(family)
-    field_spec = spec[family.input_field]
-    files = sample_files(Path(cfg.data.dir) / cfg.data.train_subdir)
-    if not files:
-        raise ValueError(f"parallel.spatial=auto: no sample files under {cfg.data.dir}/{cfg.data.train_subdir}")
-    with h5py.File(files[0], "r") as f:
-        shape = f.attrs.get("global_shape")
-        if shape is None:
-            shape = f[field_spec.name].shape[-3:]
-        dtype_bytes = f[field_spec.name].dtype.itemsize
-    volume = tuple(int(v) for v in shape)
-    channels = field_spec.channels or 1
-    with torch.device("meta"):
-        model = family.build_model(cfg.model, volume)
-    layers = trace(model, (channels, *volume))
-    opts = Options(global_batch=max(1, cfg.train.global_batch_size // cfg.train.accum_steps),
-                   stored_bytes_per_voxel=dtype_bytes * channels, overlap=cfg.parallel.overlap_halo,
-                   recompute=cfg.train.activation_checkpointing,
-                   optimizer_states=2 if str(cfg.optim.name) == "adamw" else 1)
-    if not DEFAULT_CALIBRATION.is_file():
-        import logging
-
-        logging.getLogger("parallel").warning(
-            "parallel.spatial=auto: no calibration at %s; using built-in figures (write one with "
-            "'python scripts/benchmark.py calibrate', or point SPATIALCNN_CALIBRATION at one)", DEFAULT_CALIBRATION)
-    spatial = choose(layers, Machine.load(), world, _memory_per_rank(cfg), opts)
-    return list(spatial)
 
 
 # -- models by name ------------------------------------------------------------------------

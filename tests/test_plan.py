@@ -10,6 +10,7 @@ import pytest
 
 from parallel import plan
 from parallel.plan import Machine, Options
+from parallel.train import autosplit
 
 
 def _layers(size: int = 32, blocks: int = 3):
@@ -102,10 +103,10 @@ def test_auto_spatial_reads_the_volume_and_picks_a_valid_split(tmp_path: Path):
         [f"data.dir={tmp_path}", "parallel.spatial=auto", "train.global_batch_size=1",
          "model.n_conv_blocks=3", "model.conv_filters=8"])))
     assert cfg.parallel.spatial == "auto"
-    spatial = plan.auto_spatial(cfg, FAMILY, world_size=4)
+    spatial = autosplit.auto_spatial(cfg, FAMILY, world_size=4)
     assert len(spatial) == 3 and math.prod(spatial) == 4  # batch 1: no data parallelism possible
-    assert plan.world_size_from_env({"WORLD_SIZE": "6"}) == 6
-    assert plan.world_size_from_env({}) == 1
+    assert autosplit.world_size_from_env({"WORLD_SIZE": "6"}) == 6
+    assert autosplit.world_size_from_env({}) == 1
 
 
 def test_cli_prints_a_table(capsys):

@@ -15,6 +15,7 @@ from cosmoflow.family import FAMILY, CosmoFlowJob
 from parallel import plan
 from parallel.launch import free_port
 from parallel.train.cli import CONFIG_ROOT, register
+from parallel.train import autosplit
 from parallel.train.config import to_dataclass
 from train_helpers import REPO, env, prepare
 
@@ -23,7 +24,7 @@ TIMEOUT = 240
 
 def _choice(cfg: CosmoFlowJob, calibration: Path, monkeypatch) -> list[int]:
     monkeypatch.setattr(plan, "DEFAULT_CALIBRATION", calibration)
-    return plan.auto_spatial(cfg, FAMILY, world_size=2)
+    return autosplit.auto_spatial(cfg, FAMILY, world_size=2)
 
 
 def test_rank0_chooses_the_split_for_everyone(tmp_path: Path, monkeypatch):

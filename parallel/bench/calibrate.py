@@ -21,26 +21,25 @@ from parallel.layers.kernels import conv3d
 from parallel.plan import Layer, LocalOp, first_layer, local_ops, op_key
 
 
-def _best(fn: Callable[[], None], trials: int) -> float:
+def _trials(fn: Callable[[], None], trials: int) -> list[float]:
+    """Seconds of ``trials`` calls of ``fn`` after a warm-up call."""
     fn()
     times = []
     for _ in range(trials):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return min(times)  # the least disturbed trial: other processes only ever add time
+    return times
+
+
+def _best(fn: Callable[[], None], trials: int) -> float:
+    return min(_trials(fn, trials))  # the least disturbed trial: other processes only ever add time
 
 
 def _median(fn: Callable[[], None], trials: int) -> float:
-    """Median seconds of ``fn`` after a warm-up call: a layer timed once or twice alone
-    was seen to come out 30% fast or slow (the allocator's and the clock's state)."""
-    fn()
-    times = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """A layer timed once or twice alone was seen to come out 30% fast or slow (the
+    allocator's and the clock's state): the median of its trials."""
+    return statistics.median(_trials(fn, trials))
 
 
 def conv_throughput(shapes: Sequence[tuple[int, int, int, tuple[int, int, int], bool]],

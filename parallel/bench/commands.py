@@ -200,6 +200,7 @@ def memory(args: argparse.Namespace) -> Rows:
                                "malloc_mmap_threshold": args.mmap_threshold}
     serial: dict[bool, float] = {}
     plotted: dict[str, list[tuple[int, float]]] = {}
+    machine = Machine.load(None)
     for recompute in ([False, True] if args.recompute else [False]):
         for text in args.splits.split(","):
             spatial = _sizes(text)
@@ -212,7 +213,7 @@ def memory(args: argparse.Namespace) -> Rows:
                 serial[recompute] = above
             base = serial.get(recompute) or serial.get(False)
             # One step: SGD's momentum is created after the backward's peak, so none is counted.
-            pred = predict(layers, Machine.load(None), 1, spatial,
+            pred = predict(layers, machine, 1, spatial,
                            Options(global_batch=args.batch, stored_bytes_per_voxel=stored, recompute=recompute,
                                    optimizer_states=0))
             row = {"kind": "memory", "model": args.model, "size": args.size, "spatial": spatial,
@@ -220,7 +221,7 @@ def memory(args: argparse.Namespace) -> Rows:
                    "baseline_bytes": max(r["baseline_bytes"] for r in ranks), "above_baseline_bytes": above,
                    "ratio_to_serial": above / base if base else None,
                    "predicted_activation_bytes": pred["activation_bytes"],
-                   "predicted_above_baseline_bytes": pred["memory_bytes"] - Machine.load(None).baseline_memory,
+                   "predicted_above_baseline_bytes": pred["memory_bytes"] - machine.baseline_memory,
                    "seconds": time.perf_counter() - t0}
             yield row
             key = f"{'recompute_' if recompute else ''}spatial{world}_over_serial"

@@ -73,7 +73,7 @@ def train(cfg: JobConfig, family: Family) -> dict[str, Any]:
     try:
         spatial: Any = cfg.parallel.spatial
         if auto:
-            from parallel.plan import auto_spatial
+            from parallel.train.autosplit import auto_spatial
 
             spatial = lambda: auto_spatial(cfg, family)  # noqa: E731
         grid = parallel.init(spatial, backend=cfg.parallel.backend, timeout_s=cfg.parallel.timeout_s)
