@@ -5,13 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from cosmoflow.fields import transform
+from cosmoflow import synthetic
+from cosmoflow.fields import SPEC, transform
 from cosmoflow.model import CosmoFlow, CosmoFlowConfig, mae_per_sample, mse_loss
 from parallel.grid import Grid
 from parallel.train.config import JobConfig, OptimConfig, ScheduleConfig, TrainConfig
-from parallel.train.family import Family
+from parallel.train.family import Family, register
 
 
 @dataclass
@@ -39,8 +41,17 @@ def metric(pred: torch.Tensor, target: torch.Tensor, grid: Grid) -> torch.Tensor
     return mae_per_sample(pred, target)
 
 
-FAMILY = Family(
-    name="cosmoflow", config_class=CosmoFlowJob, build_model=build,
+def synthetic_sample(seed: int, split: int, index: int, size: int) -> dict[str, np.ndarray]:
+    """One synthetic universe as field arrays (for the I/O benchmarks)."""
+    volume, target = synthetic.sample(seed, split, index, size)
+    return {"volume": volume, "target": target}
+
+
+FAMILY = register(Family(
+    name="cosmoflow", config_class=CosmoFlowJob, build_model=build, spec=SPEC,
     input_field="volume", target_field="target", loss=loss, metric=metric,
     metric_name="mae", goal="min", target=0.124, mlperf_eval_key="eval_error", transform=transform,
-)
+    prepare="python -m cosmoflow.prepare", bench_overrides=(),
+    tiny_overrides=("model.n_conv_blocks=1", "model.conv_filters=2", "model.dense_sizes=[2]"),
+    synthetic=synthetic_sample,
+))

@@ -6,15 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-
 import torch.distributed as dist
 
 from parallel import augment as spatial_augment
 from parallel.grid import Grid
 from parallel.layers.shapes import infer_global_dims
 from parallel.train.config import JobConfig, OptimConfig, ScheduleConfig, TrainConfig
-from parallel.train.family import Family
-from unet3d.fields import transform, transform_for
+from parallel.train.family import Family, register
+from unet3d.fields import SPEC, transform, transform_for
 from unet3d.losses import dice_ce_loss, dice_per_sample
 from unet3d.model import UNet3D, UNet3DConfig
 
@@ -117,8 +116,10 @@ def augment(batch: dict[str, torch.Tensor], gen: torch.Generator, grid: Grid,
     return out
 
 
-FAMILY = Family(
-    name="unet3d", config_class=UNet3DJob, build_model=build, input_field="image", target_field="label",
+FAMILY = register(Family(
+    name="unet3d", config_class=UNet3DJob, build_model=build, spec=SPEC, input_field="image", target_field="label",
     loss=loss, metric=metric, metric_name="mean_dice", goal="max", target=0.908,
     mlperf_eval_key="eval_accuracy", transform=transform, transform_for=transform_for, augment=augment,
-)
+    prepare="python -m unet3d.prepare", bench_overrides=("model.depth=3", "model.base_filters=8"),
+    tiny_overrides=("model.depth=1", "model.base_filters=2"),
+))

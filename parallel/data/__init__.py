@@ -8,15 +8,15 @@ Public API (all importable from ``parallel.data``)::
 
     from parallel.data import (BlockDataset, GlobalShuffleSampler, PartialShuffleSampler,
                                make_loader, stage, check_files, StepStats)
-    from cosmoflow import fields          # or: from unet3d import fields
+    family = parallel.train.family.get(name)   # a model family: its sample spec and transform
 
     # A rank's view of a directory (or list) of sample files. Volume fields come back as
     # this rank's block (C, d, h, w) (or (d, h, w) for channel-less fields such as a
     # label), scalar fields whole; ``transform`` runs on the block in the worker.
-    ds = BlockDataset("data/train", fields=fields.FIELDS, grid=grid,
-                      transform=fields.transform)    # CosmoFlow: log(x + 1) on the block
-    # U-Net: transform=unet3d.fields.transform_for(ds.attrs) (clip + z-score for raw
-    # synthetic images, labels only for already-normalised KiTS19 files).
+    ds = BlockDataset("data/train", fields=family.spec.names, grid=grid,
+                      transform=family.transform)    # e.g. log(x + 1) of counts, on the block
+    # Families whose files differ in preprocessing pick it by the files' attributes:
+    # transform=family.transform_for(ds.attrs).
     len(ds)                          # number of samples
     ds[i]                            # {"volume": Tensor(C, d, h, w), "target": Tensor(4)}
     ds.attrs                         # attributes of the first file (spec, codec, ...)

@@ -1,7 +1,7 @@
 """Typed configuration of a training job, one dataclass per section.
 
-Registered as Hydra structured configs by each model's entry point (``cosmoflow.train``,
-``unet3d.train``), which adds its own ``model`` section and defaults; YAML files under
+Registered as Hydra structured configs by each model family's entry point
+(``python -m <family>.train``), which adds its own ``model`` section and defaults; YAML files under
 ``configs/`` hold overrides only, and every field can be overridden on the command line
 (``train.global_batch_size=8 parallel.spatial=[2,1,1]``). Each component receives only
 its own section.

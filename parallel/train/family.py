@@ -1,21 +1,35 @@
-"""What a model family hands the shared training loop.
+"""What a model family hands the framework, and the registry that finds families by name.
 
-A family (``cosmoflow.family.FAMILY``, ``unet3d.family.FAMILY``) supplies the network,
-the dataset fields, the loss and metric, and its job defaults (its ``JobConfig``
-subclass); the loop owns everything else.
+A family supplies the network, the dataset fields, the loss and metric, its job defaults
+(its ``JobConfig`` subclass) and a few facts the tools need (small-model overrides for
+benchmarks, a synthetic sample maker); the framework owns everything else and never
+names a model.
+
+Families are found by name (``get("mymodel")``, ``python -m parallel.plan --model
+mymodel``): one registered in this process (``register``), else the entry for that name
+in ``configs/families.yaml`` (``name: module:attr``), else a ``module:attr`` given in
+place of the name. Bringing a third model is one line in that table (or
+``--model mypkg.family:FAMILY``); see ``docs/training.md``.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Literal, Optional
 
+import numpy as np
 import torch
 from torch import nn
 
+from parallel.data.format import SampleSpec
 from parallel.grid import Grid
 
 Sample = dict[str, torch.Tensor]
+
+CONFIG_ROOT = Path(__file__).resolve().parents[2] / "configs"
+TABLE = CONFIG_ROOT / "families.yaml"
 
 
 @dataclass(frozen=True)
@@ -23,11 +37,13 @@ class Family:
     """A model family: the parts of a training job that are particular to one model."""
 
     name: str
-    """Short name (``cosmoflow``, ``unet3d``), also the default MLPerf benchmark name."""
+    """Short name, also the default MLPerf benchmark name and the ``configs/<name>/`` folder."""
     config_class: type
     """The family's ``JobConfig`` subclass (its ``model`` section and defaults)."""
     build_model: Callable[[Any, tuple[int, int, int]], nn.Module]
     """(model config, global sample volume (D, H, W)) -> the plain serial network."""
+    spec: SampleSpec
+    """The fields of the family's sample files (what ``prepare`` writes and training reads)."""
     input_field: str
     """Dataset field fed to the network."""
     target_field: str
@@ -51,7 +67,79 @@ class Family:
     augment: Optional[Callable[[Sample, torch.Generator, Grid, Any], Sample]] = None
     """(local batch, generator seeded per step alike on every rank, grid, job config) -> the
     augmented local batch; collective calls allowed (every rank calls it every step)."""
+    prepare: str = ""
+    """The command that writes the family's data (``python -m <package>.prepare``), quoted
+    in errors about missing or bad sample files."""
+    bench_overrides: tuple[str, ...] = ()
+    """``model.*`` overrides of the model the benchmarks and the calibration time by default."""
+    tiny_overrides: tuple[str, ...] = ()
+    """``model.*`` overrides of the smallest model of the family (warms a rank up before a
+    memory measurement)."""
+    synthetic: Optional[Callable[[int, int, int, int], dict[str, np.ndarray]]] = None
+    """(seed, split, index, size) -> one synthetic sample as field arrays (no sample axis),
+    for the I/O benchmarks."""
 
     def reached(self, value: float, target: float) -> bool:
         """Whether a metric value meets ``target``."""
         return value <= target if self.goal == "min" else value >= target
+
+    def trained_spec(self) -> SampleSpec:
+        """The sample spec limited to the two fields training reads."""
+        wanted = (self.input_field, self.target_field)
+        return SampleSpec(self.spec.name, tuple(f for f in self.spec.fields if f.name in wanted), self.spec.attrs)
+
+    def prepare_hint(self, out: str) -> str:
+        """How to write a data set to ``out`` (for error messages)."""
+        command = self.prepare or "the family's prepare command"
+        return f"`{command} synthetic --out {out}`"
+
+
+_REGISTRY: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    """Make ``family`` known by its name in this process; returns it (for ``FAMILY = register(...)``)."""
+    _REGISTRY[family.name] = family
+    return family
+
+
+def table() -> dict[str, str]:
+    """``configs/families.yaml``: family name -> ``module:attr``, in the file's order."""
+    if not TABLE.is_file():
+        return {}
+    from omegaconf import OmegaConf
+
+    return {str(k): str(v) for k, v in OmegaConf.to_container(OmegaConf.load(TABLE)).items()}  # type: ignore[union-attr]
+
+
+def names() -> list[str]:
+    """The families of the table, then any others registered in this process."""
+    listed = list(table())
+    return listed + [n for n in _REGISTRY if n not in listed]
+
+
+def get(name: str) -> Family:
+    """The family called ``name`` (registered, listed in the table, or ``module:attr``)."""
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    target = name if ":" in name else table().get(name)
+    if target is None:
+        raise ValueError(f"unknown model family {name!r}: known {', '.join(names()) or 'none'} "
+                         f"({TABLE}), or name one as module:attr")
+    module, _, attr = target.partition(":")
+    try:
+        found = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"model family {name!r}: cannot load {target} ({err})") from err
+    if not isinstance(found, Family):
+        raise ValueError(f"model family {name!r}: {target} is a {type(found).__name__}, not a Family")
+    return register(found) if found.name not in _REGISTRY else _REGISTRY[found.name]
+
+
+def model_config(family: Family, overrides: tuple[str, ...] | list[str] = ()) -> Any:
+    """The family's default model config with ``model.*`` dotlist overrides applied."""
+    from omegaconf import OmegaConf
+
+    over = OmegaConf.from_dotlist([o[len("model."):] for o in overrides if o.startswith("model.")])
+    node = OmegaConf.structured(family.config_class).model
+    return OmegaConf.to_object(OmegaConf.merge(node, over))
