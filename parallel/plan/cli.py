@@ -1,0 +1,94 @@
+"""The command line of ``python -m parallel.plan``: one row per split, fastest first."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from parallel.plan.cost import Options
+from parallel.plan.machine import Machine, default_calibration
+from parallel.plan.models import build_model
+from parallel.plan.search import table
+from parallel.plan.trace import trace
+from parallel.train.family import get, names
+
+
+def family_name(text: str) -> str:
+    """An argparse ``type``: a known family name (or ``module:attr``)."""
+    try:
+        get(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
+def _description() -> str:
+    import parallel.plan
+
+    return parallel.plan.__doc__ or ""
+
+
+
+def parse_bytes(text: str) -> float:
+    """``80GB``, ``512MiB``, ``1e9`` -> bytes."""
+    t = text.strip().upper()
+    for suffix, mult in (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("TB", 1e12), ("GB", 1e9),
+                         ("MB", 1e6), ("KB", 1e3), ("B", 1)):
+        if t.endswith(suffix):
+            return float(t[: -len(suffix)]) * mult
+    return float(t)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m parallel.plan", description=_description(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=names()[0], type=family_name,
+                   help="model family (configs/families.yaml, or module:attr; default %(default)s)")
+    p.add_argument("--size", type=int, nargs="+", default=[128], help="sample D H W (one number: a cube)")
+    p.add_argument("--set", nargs="*", default=[], help="model overrides, e.g. model.n_conv_blocks=7")
+    p.add_argument("--devices", type=int, required=True)
+    p.add_argument("--device-memory", default="inf", help="bytes per device, e.g. 80GB")
+    p.add_argument("--batch", type=int, default=None, help="global batch (default: devices)")
+    p.add_argument("--calibration", default=None, help=f"JSON from calibrate (default {default_calibration()})")
+    p.add_argument("--compute-scale", type=float, default=1.0, help="device flop/s over the calibrated rank's")
+    p.add_argument("--alpha", type=float, default=None, help="network latency, seconds per message")
+    p.add_argument("--bandwidth", type=float, default=None, help="network bytes/s per link")
+    p.add_argument("--io-bandwidth", type=float, default=None, help="storage bytes/s per rank")
+    p.add_argument("--overlap", action="store_true", help="halo exchanges hidden behind the interior")
+    p.add_argument("--recompute", action="store_true", help="activation checkpointing per block")
+    p.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
+    args = p.parse_args(argv)
+    size = args.size * 3 if len(args.size) == 1 else args.size
+    model, in_shape, stored = build_model(args.model, size, args.set)
+    layers = trace(model, in_shape)
+    try:
+        m = Machine.load(args.calibration)
+    except (OSError, ValueError) as err:
+        print(f"parallel.plan: {err}", file=sys.stderr)
+        return 2
+    if args.compute_scale != 1.0:
+        m.scaled(args.compute_scale)
+    if args.alpha is not None:
+        m.p2p_alpha = m.ar_alpha = args.alpha
+    if args.bandwidth is not None:
+        m.p2p_beta = m.ar_beta = args.bandwidth
+    if args.io_bandwidth is not None:
+        m.io_bandwidth = args.io_bandwidth
+    opts = Options(global_batch=args.batch or args.devices, stored_bytes_per_voxel=stored,
+                   overlap=args.overlap, recompute=args.recompute)
+    rows = table(layers, m, args.devices, parse_bytes(args.device_memory), opts)
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+        return 0
+    print(f"{args.model} {'x'.join(map(str, size))}, {args.devices} devices, global batch {opts.global_batch}, "
+          f"memory limit {args.device_memory} per device")
+    print(f"{'data':>5} {'spatial':>9} {'step s':>9} {'compute':>9} {'comm':>8} {'mem/rank GiB':>13} "
+          f"{'read/rank MiB':>14}  ")
+    for r in rows:
+        mark = "<- fastest that fits" if r["best"] else ("" if r["fits"] else "(does not fit)")
+        print(f"{r['data']:>5} {'x'.join(map(str, r['spatial'])):>9} {r['step_s']:>9.3f} {r['compute_s']:>9.3f} "
+              f"{r['exposed_comm_s'] + r['allreduce_s']:>8.3f} {r['memory_bytes'] / 2**30:>13.2f} "
+              f"{r['read_bytes'] / 2**20:>14.1f}  {mark}")
+    return 0

@@ -1,0 +1,151 @@
+"""The cost model: predicted seconds per step, memory and bytes read per rank for one
+(data x spatial) split, from the traced layers and a ``Machine``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from parallel.plan.local import local_ops, op_key
+from parallel.plan.machine import Machine
+from parallel.plan.trace import Layer
+
+
+@dataclass
+class Options:
+    """What the step does besides the model: batch, precision of storage, switches."""
+
+    global_batch: int = 1
+    stored_bytes_per_voxel: float = 8.0   # all input channels of one voxel, as stored
+    overlap: bool = False
+    recompute: bool = False
+    optimizer_states: int = 1             # momentum (SGD) 1, AdamW 2
+    act_bytes: int = 4                    # fp32 activations
+
+
+def _peak_activations(kept: list[float], working: list[float], blocks: list[int], recompute: bool) -> float:
+    """Peak bytes of activations and gradients over a step, besides the model input. The
+    backward of layer ``i`` holds what layers ``0..i`` kept plus its two gradients (later
+    layers' tensors are freed by then). Under recomputation, a block (``blocks[i]`` >= 0,
+    as ``parallel.recompute`` cuts them) keeps only its output through the forward, and
+    holds its recomputed internals while it is backpropagated."""
+    n = len(kept)
+    last = [i == n - 1 or blocks[i] < 0 or blocks[i + 1] != blocks[i] for i in range(n)]
+    through = [k if not recompute or blocks[i] < 0 or last[i] else 0.0 for i, k in enumerate(kept)]
+    peak = sum(through)
+    before = 0.0      # kept through the forward by the layers before the current block/layer
+    inner = 0.0       # the current block's recomputed internals so far
+    for i in range(n):
+        if recompute and blocks[i] >= 0:
+            inner += kept[i]
+            peak = max(peak, before + inner + working[i])
+            if last[i]:
+                before += through[i]
+                inner = 0.0
+        else:
+            before += through[i]
+            peak = max(peak, before + working[i])
+    return peak
+
+
+def predict(layers: list[Layer], machine: Machine, data: int, spatial: Sequence[int],
+            opts: Options) -> dict[str, float]:
+    """Predicted seconds per step, bytes of memory and bytes read per rank for one split."""
+    s = math.prod(spatial)
+    world = data * s
+    batch = math.ceil(opts.global_batch / data)
+    compute = comm = exposed = overhead = 0.0
+    measured = 0
+    kept: list[float] = []
+    working: list[float] = []
+    model_input = 0.0
+    params = 0
+    for i, (layer, op) in enumerate(zip(layers, local_ops(layers, spatial))):
+        params += layer.params
+        out_local, in_local = op.out_local, op.in_local
+        frac = math.prod(out_local) / max(math.prod(layer.out_shape), 1)
+        split_layer = s > 1 and any(op.split)
+        out_bytes = math.prod(out_local) * opts.act_bytes * batch
+        in_bytes = math.prod(in_local) * opts.act_bytes * batch
+        # A measured time of this very computation wins; else flops / throughput, bytes / bandwidth.
+        known = machine.layer_seconds.get(op_key(layer, op, batch))
+        if known is not None:
+            measured += 1
+            compute += known
+        overhead += (0.0 if known is not None else machine.layer_overhead) + \
+            (machine.spatial_layer_overhead if split_layer else 0.0)
+        if layer.kind in ("conv", "convT"):
+            cin, cout = layer.in_shape[0], layer.out_shape[0]
+            k = layer.kernel[0] if layer.kernel else 1
+            passes = 3.0 if op.input_grad else 2.0   # fwd, weight grad, input grad
+            voxels = math.prod(out_local[1:]) * batch
+            t = passes * layer.flops * frac * batch / machine.flops(cin, cout, k, voxels, out_local[1:])
+            if known is None:
+                compute += t
+            else:
+                t = known
+            if split_layer and layer.kind == "conv":
+                halo_t = 0.0
+                for a, parts in enumerate(spatial):
+                    if parts > 1 and layer.halo[a] > 0:
+                        face = in_bytes / in_local[a + 1] * layer.halo[a]
+                        halo_t += 2 * (2 * machine.p2p_alpha + 2 * face / machine.p2p_beta)  # fwd + bwd
+                comm += halo_t
+                if opts.overlap:
+                    interior = min(1.0, max(0.0, 1 - 2 * max(layer.halo) / max(min(in_local[1:]), 1)))
+                    exposed += max(0.0, halo_t - t * interior)
+                else:
+                    exposed += halo_t
+            elif split_layer:  # transposed conv: partial outputs summed into owners
+                halo_t = 2 * (2 * machine.p2p_alpha + 2 * out_bytes / out_local[1] / machine.p2p_beta)
+                comm += halo_t
+                exposed += halo_t
+        elif layer.kind == "linear":
+            if known is None:
+                share = in_local[0] / max(layer.in_shape[0], 1)
+                compute += 3.0 * layer.flops * share * batch / machine.default_conv_flops
+            if op.flat_split:  # Flatten+Linear partial products: all-reduce, forward and backward
+                nbytes = layer.out_shape[0] * batch * opts.act_bytes
+                t = 2 * (2 * (s - 1) * machine.ar_alpha + 2 * (s - 1) / s * nbytes / machine.ar_beta)
+                comm += t
+                exposed += t
+        elif known is None:
+            compute += 3.0 * (in_bytes + out_bytes) / machine.mem_bandwidth
+        if layer.kind == "norm" and split_layer:  # statistics: two all-reduces forward, two backward
+            nbytes = 8.0 * layer.in_shape[0] * batch
+            t = 4 * (2 * (s - 1) * machine.ar_alpha + 2 * (s - 1) / s * nbytes / machine.ar_beta)
+            comm += t
+            exposed += t
+        # Tensors kept for the backward: each layer's output (its successor saves it), a
+        # split conv's window, max-pooling indices (int64), the model input; an in-place
+        # layer makes none. During its backward a layer also holds two gradients.
+        inplace = bool(getattr(layer.module, "inplace", False))
+        saved = 0.0 if inplace else out_bytes
+        if i == 0:
+            model_input = in_bytes
+        elif layer.in_shape != layers[i - 1].out_shape:  # built outside the leaf layers (a concatenation)
+            saved += in_bytes
+        if split_layer and layer.kind == "conv":
+            saved += in_bytes
+        if layer.spec.startswith("MaxPool"):
+            saved += math.prod(out_local) * 8 * batch
+        kept.append(saved)
+        working.append(in_bytes + out_bytes)
+    act = model_input + _peak_activations(kept, working, [l.block for l in layers], opts.recompute)
+    if opts.recompute:
+        compute *= 4.0 / 3.0  # one more forward
+    grad_bytes = params * 4
+    allreduce = 0.0
+    if world > 1:
+        allreduce = 2 * (world - 1) * machine.ar_alpha + 2 * (world - 1) / world * grad_bytes / machine.ar_beta
+    # The optimiser reads weights, gradients and its states and writes weights and states.
+    optimizer = params * 4 * (3 + 2 * opts.optimizer_states) / machine.mem_bandwidth
+    step = compute + exposed + allreduce + overhead + optimizer
+    memory = machine.baseline_memory + params * 4 * (2 + opts.optimizer_states) + act
+    read = opts.stored_bytes_per_voxel * math.prod(layers[0].in_shape[1:]) / s * batch
+    return {"step_s": step, "compute_s": compute, "halo_s": comm, "exposed_comm_s": exposed,
+            "allreduce_s": allreduce, "overhead_s": overhead, "optimizer_s": optimizer, "memory_bytes": memory,
+            "activation_bytes": act, "read_bytes": read, "io_s": read / machine.io_bandwidth,
+            "measured_layers": measured / max(len(layers), 1)}
+
