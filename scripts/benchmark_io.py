@@ -31,31 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cosmoflow import synthetic  # noqa: E402
 from cosmoflow.fields import SPEC  # noqa: E402
-from parallel.data import BlockDataset, parse_splits, write_samples  # noqa: E402
+from parallel.bench.reads import read_pattern, write_files  # noqa: E402
+from parallel.data import parse_splits  # noqa: E402
 from parallel.grid import Grid  # noqa: E402
-
-
-def _read_all(ds: BlockDataset, n: int) -> tuple[float, int, int]:
-    """Seconds, stored bytes read and decoded bytes delivered for samples 0..n-1."""
-    t0 = time.perf_counter()
-    stored = decoded = 0
-    for i in range(n):
-        sample, nbytes, _ = ds.load(i)
-        stored += nbytes
-        decoded += sum(t.numel() * t.element_size() for t in sample.values())
-    return time.perf_counter() - t0, stored, decoded
-
-
-def _pattern(files: list[Path], grid: Grid | None, repeat: int) -> dict[str, float]:
-    best = math.inf
-    for _ in range(repeat):
-        ds = BlockDataset(files, grid=grid)
-        seconds, stored, decoded = _read_all(ds, len(ds))
-        ds.close()
-        best = min(best, seconds)
-    n = len(files)
-    return {"bytes_read_per_sample": stored / n, "seconds_per_sample": best / n,
-            "decoded_MBps": decoded / best / 1e6, "stored_MBps": stored / best / 1e6}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,8 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     splits = parse_splits(args.spatial)
-    samples = [synthetic.sample(args.seed, 0, i, args.size) for i in range(args.samples)]
-    raw = sum(v.nbytes + t.nbytes for v, t in samples)
+    samples = [dict(zip(("volume", "target"), synthetic.sample(args.seed, 0, i, args.size)))
+               for i in range(args.samples)]
+    raw = sum(a.nbytes for s in samples for a in s.values())
     tmp = tempfile.TemporaryDirectory() if args.dir is None else None
     root = Path(tmp.name) if tmp is not None else args.dir
     report: dict[str, object] = {"size": args.size, "samples": args.samples, "raw_bytes_per_sample": raw / args.samples,
@@ -79,16 +58,15 @@ def main(argv: list[str] | None = None) -> int:
         d = root / codec.replace(":", "_")
         d.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        files = [write_samples(d / f"s{i}.h5", SPEC, {"volume": v[None], "target": t[None]}, splits, codec)
-                 for i, (v, t) in enumerate(samples)]
+        files = write_files(d, SPEC, samples, splits, codec)
         write_seconds = time.perf_counter() - t0
         stored = sum(f.stat().st_size for f in files)
-        whole = _pattern(files, None, args.repeat)
+        whole = read_pattern(files, None, args.repeat)
         entry: dict[str, object] = {"compression_ratio": raw / stored, "file_bytes_per_sample": stored / args.samples,
                                     "write_MBps": raw / write_seconds / 1e6, "whole": whole, "blocks": {}}
         for spatial in splits:
             s = math.prod(spatial)
-            ranks = [_pattern(files, Grid(spatial=spatial, world_size=s, rank=r), args.repeat) for r in range(s)]
+            ranks = [read_pattern(files, Grid(spatial=spatial, world_size=s, rank=r), args.repeat) for r in range(s)]
             rank_seconds = max(r["seconds_per_sample"] for r in ranks)
             entry["blocks"]["x".join(map(str, spatial))] = {  # type: ignore[index]
                 "ranks": s,

@@ -4,6 +4,7 @@ fixed memory of a rank. One thread per rank, as the training runs."""
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from pathlib import Path
@@ -16,9 +17,12 @@ from torch import nn
 
 import parallel
 from parallel.bench.ranks import run_ranks
+from parallel.bench.shared import Rows, sizes
+from parallel.bench.timing import load
 from parallel.grid import Grid
 from parallel.layers.kernels import conv3d
 from parallel.plan import Layer, LocalOp, first_layer, local_ops, op_key
+from parallel.train.family import get, names
 
 
 def _trials(fn: Callable[[], None], trials: int) -> list[float]:
@@ -217,17 +221,16 @@ def _fit(sizes: Sequence[int], times: Sequence[float]) -> tuple[float, float]:
 
 
 def io_bandwidth(size: int = 64) -> float:
-    """Bytes/s of reading one uncompressed synthetic CosmoFlow sample through the block reader."""
+    """Bytes/s of reading one uncompressed synthetic sample (of the default family) through
+    the block reader."""
     import tempfile
-    from pathlib import Path
 
-    from cosmoflow import synthetic
-    from cosmoflow.fields import SPEC
-    from parallel.data import BlockDataset, write_samples
+    from parallel.bench.reads import synthetic_samples, write_files
+    from parallel.data import BlockDataset
 
     with tempfile.TemporaryDirectory() as tmp:
-        v, t = synthetic.sample(0, 0, 0, size)
-        f = write_samples(Path(tmp) / "s.h5", SPEC, {"volume": v[None], "target": t[None]}, [(1, 1, 1)], "none")
+        family = get(names()[0])
+        f = write_files(Path(tmp), family.spec, synthetic_samples(family, 1, size), [(1, 1, 1)], "none")[0]
         ds = BlockDataset([f])
         secs = _best(lambda: ds.load(0), 3)
         nbytes = ds.load(0)[1]
@@ -294,3 +297,37 @@ def ensure_layer_seconds(path: Path, cases: Sequence[tuple[list[Layer], Sequence
         tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
         tmp.replace(path)
     return len(timed) - before
+
+
+# -- the subcommand ----------------------------------------------------------------------
+
+def command_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=names()[0], help="the family --set applies to (the others: their "
+                                                       "benchmark models)")
+    p.add_argument("--size", type=int, default=64)
+    p.add_argument("--set", nargs="*", default=[])
+    p.add_argument("--calibration", default=None, help="where to write (default: parallel.plan's file)")
+    p.add_argument("--layer-splits", default="1x1x1,2x1x1,1x1x2",
+                   help="spatial splits whose per-layer local times to measure ('' for none)")
+    p.add_argument("--layer-batches", default="1,2", help="local batches whose per-layer times to measure")
+
+
+def command(args: argparse.Namespace) -> Rows:
+    """Measure this machine for parallel.plan (conv throughput per shape, network, overheads)."""
+    import json
+
+    from parallel.plan import build_model, default_calibration, trace
+
+    layers, cases = [], []
+    for name in names():
+        over = args.set if name == args.model else list(get(name).bench_overrides)
+        model, in_shape, _ = build_model(name, (args.size,) * 3, over)
+        traced = trace(model, in_shape)
+        layers += traced
+        cases += [(traced, sizes(g), int(b)) for g in args.layer_splits.split(",") if g
+                  for b in args.layer_batches.split(",")]
+    result = calibrate(layers, cases=cases)
+    path = Path(args.calibration) if args.calibration else default_calibration()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1), encoding="utf-8")
+    yield {"kind": "calibration", "path": str(path), **result, "load": load()}

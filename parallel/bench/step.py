@@ -13,6 +13,7 @@ import parallel
 from parallel.bench.timing import interleaved, median, ratio
 from parallel.grid import Grid
 from parallel.plan import build_model
+from parallel.train.family import get
 from parallel.train.report import peak_memory_bytes
 
 
@@ -20,20 +21,7 @@ def make_model(name: str, size: Sequence[int], overrides: Sequence[str]) -> tupl
     """A real (CPU) model built from the same config ``parallel.plan`` traces."""
     _, in_shape, _ = build_model(name, size, overrides)  # validates the overrides
     torch.manual_seed(0)
-    if name == "cosmoflow":
-        from cosmoflow.model import CosmoFlow, CosmoFlowConfig
-        from omegaconf import OmegaConf
-
-        over = OmegaConf.from_dotlist([o[len("model."):] for o in overrides if o.startswith("model.")])
-        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(CosmoFlowConfig), over))
-        return CosmoFlow(cfg, tuple(size)), in_shape
-    from omegaconf import OmegaConf
-
-    from unet3d.model import UNet3D, UNet3DConfig
-
-    over = OmegaConf.from_dotlist([o[len("model."):] for o in overrides if o.startswith("model.")])
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(UNet3DConfig), over))
-    return UNet3D(cfg), in_shape
+    return build_model(name, size, overrides, device="cpu")[0], in_shape
 
 
 class Stepper:
@@ -116,8 +104,7 @@ def peak_memory(grid: Grid, name: str, size: Sequence[int], overrides: Sequence[
     """
     import gc
 
-    tiny = ["model.n_conv_blocks=1", "model.conv_filters=2", "model.dense_sizes=[2]"] if name == "cosmoflow" \
-        else ["model.depth=1", "model.base_filters=2"]
+    tiny = list(get(name).tiny_overrides)
     warm = Stepper(grid, name, [4 * g for g in grid.spatial], tiny, 1, overlap=overlap, recompute=recompute)
     warm.step()
     del warm
@@ -159,13 +146,13 @@ def loader_share(grid: Grid, files: list[str], name: str, size: int, overrides: 
     ds = BlockDataset(files, grid=geometry if grid.spatial_size > 1 else None)
     loader = make_loader(ds, Batches(len(ds)), num_workers=workers, prefetch_factor=2)
     s = Stepper(grid, name, (size,) * 3, overrides, batch)
-    from cosmoflow.fields import transform as cf_transform
+    family = get(name)
 
     wait = total = 0.0
     t_start = time.perf_counter()
     n = 0
     for b, stats in loader:
-        x = cf_transform({"volume": b["volume"]})["volume"].float() if name == "cosmoflow" else b["volume"].float()
+        x = (family.transform(b) if family.transform is not None else b)[family.input_field].float()
         s.x = x
         s.step()
         if n > 0:  # the first batch includes starting the workers

@@ -1,0 +1,218 @@
+"""Compute benchmarks per grid: the halo overhead of a split convolution (``layer``), and
+the models' step time (``step``) and peak memory per rank (``memory``), each beside what
+``parallel.plan`` predicts for it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from parallel.bench.shared import Rows, overrides_of, plot, sizes
+from parallel.bench.timing import load
+from parallel.train.family import get, names
+
+
+# -- layer ------------------------------------------------------------------------------
+
+def layer_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--size", type=int, default=64, help="global cube edge")
+    p.add_argument("--channels", type=int, default=32)
+    p.add_argument("--kernel", type=int, default=3)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--splits", default="2x1x1", help="comma list of grids, e.g. 2x1x1,1x2x1")
+    p.add_argument("--trials", type=int, default=9)
+
+
+def layer(args: argparse.Namespace) -> Rows:
+    """Halo overhead: spatial conv fwd+bwd (overlapped and blocking) over the plain local conv."""
+    from parallel.bench.layer import conv_overhead
+    from parallel.bench.ranks import run_ranks
+
+    summary: dict[str, Any] = {"kind": "summary", "command": "layer", "load_before": load()}
+    for text in args.splits.split(","):
+        spatial = sizes(text)
+        world = math.prod(spatial)
+        r = run_ranks(world, conv_overhead, args.size, args.channels, args.kernel, args.batch, args.trials,
+                      spatial=spatial)[0]
+        row = {"kind": "layer", "spatial": spatial, "size": args.size, "channels": args.channels,
+               "kernel": args.kernel, **r}
+        yield row
+        # The default path (blocking) first; the overlapped one beside it.
+        summary[f"halo_overhead_{text}"] = r["overhead"]["blocking"]
+        summary[f"halo_overhead_overlap_{text}"] = r["overhead"]["overlap"]
+        summary[f"halo_overhead_vs_window_{text}"] = r["overhead_vs_window"]["blocking"]
+        summary[f"halo_overhead_vs_window_overlap_{text}"] = r["overhead_vs_window"]["overlap"]
+    summary["load_after"] = load()
+    yield summary
+
+
+# -- step -------------------------------------------------------------------------------
+
+def step_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models", default=",".join(names()))
+    p.add_argument("--size", default="64", help="sample cube edge (or DxHxW)")
+    p.add_argument("--batch", type=int, default=2, help="global batch")
+    p.add_argument("--trials", type=int, default=5)
+    for name in names():
+        small = get(name).bench_overrides
+        p.add_argument(f"--{name}-set", nargs="*", default=list(small),
+                       help=f"model overrides for {name} (default: {' '.join(small) or 'none'})")
+    p.add_argument("--no-weak", action="store_true")
+    p.add_argument("--overlap", action="store_true", help="hide the halo exchanges behind the interior")
+    p.add_argument("--spatial", default="2x1x1", help="the 2-way split (default along D, as the readers slab)")
+    p.add_argument("--calibration", default=None, help="plan calibration (default: measure it now if missing)")
+
+
+def _machine(args: argparse.Namespace, cases: list) -> Any:
+    """The calibration (measured now if missing), with the local layer times of ``cases``
+    ((layers, spatial, local batch) for each grid the benchmark predicts) added if absent."""
+    from parallel.bench.calibrate import calibrate, ensure_layer_seconds
+    from parallel.plan import Machine, default_calibration
+
+    path = Path(args.calibration) if args.calibration else default_calibration()
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(calibrate([l for ls, _, _ in cases for l in ls]), indent=1), encoding="utf-8")
+    ensure_layer_seconds(path, cases)
+    return Machine.load(path)
+
+
+def step(args: argparse.Namespace) -> Rows:
+    """Step time per grid (serial, spatial 2, data 2, weak spatial 2), measured and predicted."""
+    from parallel.bench.ranks import run_ranks
+    from parallel.bench.step import step_times
+    from parallel.plan import Options, build_model, predict, trace
+
+    size = sizes(args.size)
+    split = tuple(sizes(args.spatial))
+    if math.prod(split) != 2:
+        raise SystemExit(f"--spatial {args.spatial}: the step benchmark compares 2-way splits")
+    summary: dict[str, Any] = {"kind": "summary", "command": "step", "spatial": list(split), "load_before": load()}
+    plotted: dict[str, tuple[dict[str, float], dict[str, float]]] = {}
+    for name in args.models.split(","):
+        over = overrides_of(args, name)
+        weak = None if args.no_weak else [n * s for n, s in zip(size, split)]
+        r = run_ranks(2, step_times, name, size, over, args.batch, args.trials, weak, args.overlap,
+                      spatial=split)[0]
+        model, in_shape, stored = build_model(name, size, over)
+        layers = trace(model, in_shape)
+        opts = Options(global_batch=args.batch, stored_bytes_per_voxel=stored, overlap=args.overlap)
+        grids = {"serial": (1, (1, 1, 1), layers), "spatial2": (1, split, layers),
+                 "data2": (2, (1, 1, 1), layers)}
+        if weak is not None:
+            wmodel, win, _ = build_model(name, weak, over)
+            grids["spatial2_weak"] = (1, split, trace(wmodel, win))
+        # Each layer's local computation is timed in isolation (one process, no communication);
+        # the model adds the exchanges, the gradient all-reduce and the optimiser.
+        machine = _machine(args, [(ls, sp, math.ceil(args.batch / d)) for d, sp, ls in grids.values()])
+        predicted = {k: predict(ls, machine, d, sp, opts)["step_s"] for k, (d, sp, ls) in grids.items()}
+        # Calibration keeps the least disturbed trial, so predictions compare with the best step.
+        error = {k: predicted[k] / r["best_seconds"][k] - 1 for k in r["best_seconds"] if k in predicted}
+        yield {"kind": "step", "model": name, "size": size, "batch": args.batch, "set": over,
+               "measured_median_s": r["seconds"], "measured_best_s": r["best_seconds"], "predicted_s": predicted,
+               "prediction_error": error, **{k: v for k, v in r.items() if k not in ("seconds", "best_seconds")}}
+        summary[f"{name}_spatial2_over_serial"] = r["strong_ratio_spatial2"]
+        summary[f"{name}_spatial2_over_serial_best"] = r["best_seconds"]["spatial2"] / r["best_seconds"]["serial"]
+        if "strong_ratio_data2" in r:
+            summary[f"{name}_data2_over_serial"] = r["strong_ratio_data2"]
+        if "weak_efficiency_spatial2" in r:
+            summary[f"{name}_weak_efficiency_spatial2"] = r["weak_efficiency_spatial2"]
+        summary[f"{name}_worst_prediction_error"] = max(abs(e) for e in error.values())
+        plotted[name] = (r["best_seconds"], predicted)
+
+    def draw(ax: Any) -> None:
+        labels, measured, model = [], [], []
+        for name, (best, pred) in plotted.items():
+            for grid in best:
+                labels.append(f"{name}\n{grid}")
+                measured.append(best[grid])
+                model.append(pred.get(grid, 0.0))
+        xs = range(len(labels))
+        ax.bar([x - 0.2 for x in xs], measured, 0.4, label="measured (best trial)")
+        ax.bar([x + 0.2 for x in xs], model, 0.4, label="parallel.plan")
+        ax.set_xticks(list(xs), labels, fontsize=7)
+        ax.set_ylabel("seconds per step")
+        ax.set_title(f"step time, {'x'.join(map(str, size))}, global batch {args.batch}")
+        ax.legend()
+
+    summary["plot"] = plot(args, "step", draw)
+    summary["load_after"] = load()
+    yield summary
+
+
+# -- memory -----------------------------------------------------------------------------
+
+def memory_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=names()[0])
+    p.add_argument("--size", type=int, default=128)
+    p.add_argument("--splits", default="1x1x1,2x1x1,4x1x1")
+    p.add_argument("--batch", type=int, default=2, help="samples per step (at 1, the replicated weights, "
+                                                         "gradients and momentum are a third of a 4-way rank's peak)")
+    p.add_argument("--set", nargs="*", default=[])
+    p.add_argument("--recompute", action="store_true", help="also measure with activation checkpointing")
+    p.add_argument("--overlap", action="store_true", help="hide the halo exchanges behind the interior")
+    p.add_argument("--mmap-threshold", type=int, default=1 << 20,
+                   help="glibc MALLOC_MMAP_THRESHOLD_ of the ranks: blocks this large are returned to the "
+                        "system when freed, so peak RSS measures live tensors, not heap fragmentation (0: glibc's "
+                        "dynamic default)")
+
+
+def memory(args: argparse.Namespace) -> Rows:
+    """Peak memory per rank for one step at each grid, beyond the fixed baseline, vs serial."""
+    from parallel.bench.ranks import run_ranks
+    from parallel.bench.step import peak_memory
+    from parallel.plan import Machine, Options, build_model, predict, trace
+
+    if args.mmap_threshold:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)  # read by the spawned ranks' libc
+    model, in_shape, stored = build_model(args.model, (args.size,) * 3, args.set)
+    layers = trace(model, in_shape)
+    summary: dict[str, Any] = {"kind": "summary", "command": "memory", "load_before": load(),
+                               "malloc_mmap_threshold": args.mmap_threshold}
+    serial: dict[bool, float] = {}
+    plotted: dict[str, list[tuple[int, float]]] = {}
+    machine = Machine.load(None)
+    for recompute in ([False, True] if args.recompute else [False]):
+        for text in args.splits.split(","):
+            spatial = sizes(text)
+            world = math.prod(spatial)
+            t0 = time.perf_counter()
+            ranks = run_ranks(world, peak_memory, args.model, (args.size,) * 3, args.set, args.batch, recompute,
+                              args.overlap, spatial=spatial)
+            above = max(r["above_baseline"] for r in ranks)
+            if world == 1:
+                serial[recompute] = above
+            base = serial.get(recompute) or serial.get(False)
+            # One step: SGD's momentum is created after the backward's peak, so none is counted.
+            pred = predict(layers, machine, 1, spatial,
+                           Options(global_batch=args.batch, stored_bytes_per_voxel=stored, recompute=recompute,
+                                   optimizer_states=0))
+            row = {"kind": "memory", "model": args.model, "size": args.size, "spatial": spatial,
+                   "recompute": recompute, "peak_bytes_per_rank": max(r["peak_bytes"] for r in ranks),
+                   "baseline_bytes": max(r["baseline_bytes"] for r in ranks), "above_baseline_bytes": above,
+                   "ratio_to_serial": above / base if base else None,
+                   "predicted_activation_bytes": pred["activation_bytes"],
+                   "predicted_above_baseline_bytes": pred["memory_bytes"] - machine.baseline_memory,
+                   "seconds": time.perf_counter() - t0}
+            yield row
+            key = f"{'recompute_' if recompute else ''}spatial{world}_over_serial"
+            summary[key] = row["ratio_to_serial"]
+            plotted.setdefault("recompute" if recompute else "plain", []).append((world, above / 2**20))
+
+    def draw(ax: Any) -> None:
+        for label, pts in plotted.items():
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("spatial ranks")
+        ax.set_ylabel("peak MiB per rank above baseline")
+        ax.set_title(f"{args.model} {args.size}^3, one step")
+        ax.legend()
+
+    summary["plot"] = plot(args, "memory", draw)
+    summary["load_after"] = load()
+    yield summary

@@ -1,0 +1,176 @@
+"""Reading benchmarks: bytes and MB/s of block reads against whole-sample and raw reads per
+codec (``io``), and the share of a training step spent waiting for data (``loader``), on
+synthetic samples of the default family. ``scripts/benchmark_io.py`` uses the same reads."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from parallel.bench.shared import Rows, plot
+from parallel.bench.timing import load
+from parallel.data import BlockDataset, parse_splits, write_samples
+from parallel.data.format import SampleSpec
+from parallel.grid import Grid
+from parallel.train.family import Family, get, names
+
+
+def synthetic_samples(family: Family, count: int, size: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    """Samples ``0..count-1`` of the family's synthetic training split (field arrays)."""
+    if family.synthetic is None:
+        raise SystemExit(f"model family {family.name!r} has no synthetic sample maker for the I/O benchmarks")
+    return [family.synthetic(seed, 0, i, size) for i in range(count)]
+
+
+def write_files(directory: Path, spec: SampleSpec, samples: Sequence[Mapping[str, np.ndarray]],
+                splits: Sequence[Sequence[int]], codec: str) -> list[Path]:
+    """One file ``s<i>.h5`` per sample, chunked for ``splits`` and compressed with ``codec``."""
+    return [write_samples(directory / f"s{i}.h5", spec, {k: v[None] for k, v in s.items()}, splits, codec)
+            for i, s in enumerate(samples)]
+
+
+def read_all(ds: BlockDataset, n: int) -> tuple[float, int, int]:
+    """Seconds, stored bytes read and decoded bytes delivered for samples 0..n-1."""
+    t0 = time.perf_counter()
+    stored = decoded = 0
+    for i in range(n):
+        sample, nbytes, _ = ds.load(i)
+        stored += nbytes
+        decoded += sum(t.numel() * t.element_size() for t in sample.values())
+    return time.perf_counter() - t0, stored, decoded
+
+
+def read_pattern(files: list[Path], grid: Grid | None, repeat: int) -> dict[str, float]:
+    """Best of ``repeat`` passes reading every file as ``grid``'s rank would (None: whole)."""
+    best = math.inf
+    for _ in range(repeat):
+        ds = BlockDataset(files, grid=grid)
+        seconds, stored, decoded = read_all(ds, len(ds))
+        ds.close()
+        best = min(best, seconds)
+    n = len(files)
+    return {"bytes_read_per_sample": stored / n, "seconds_per_sample": best / n,
+            "decoded_MBps": decoded / best / 1e6, "stored_MBps": stored / best / 1e6}
+
+
+def raw_read(files: list[Path], repeat: int) -> float:
+    """Best seconds to read the files' bytes sequentially (no HDF5, no decoding)."""
+    best = math.inf
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for f in files:
+            with open(f, "rb") as fh:
+                while fh.read(4 << 20):
+                    pass
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+# -- io ---------------------------------------------------------------------------------
+
+def io_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--size", type=int, default=64)
+    p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--spatial", default="2,4,2x2x1")
+    p.add_argument("--codecs", default="none,gzip,lz4,zstd,blosc2")
+    p.add_argument("--repeat", type=int, default=2)
+
+
+def io(args: argparse.Namespace) -> Rows:
+    """Bytes and MB/s per rank: block reads vs whole-sample reads vs a raw sequential read."""
+    family = get(names()[0])
+    splits = parse_splits(args.spatial)
+    samples = synthetic_samples(family, args.samples, args.size)
+    summary: dict[str, Any] = {"kind": "summary", "command": "io", "load_before": load()}
+    speedups: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for codec in args.codecs.split(","):
+            d = Path(tmp) / codec.replace(":", "_")
+            d.mkdir()
+            files = write_files(d, family.spec, samples, splits, codec)
+            stored = sum(f.stat().st_size for f in files)
+            raw_s = raw_read(files, args.repeat)
+            whole = read_pattern(files, None, args.repeat)
+            row: dict[str, Any] = {"kind": "io", "codec": codec, "size": args.size,
+                                   "file_bytes_per_sample": stored / args.samples,
+                                   "raw_read_MBps": stored / raw_s / 1e6, "whole": whole, "blocks": {}}
+            for spatial in splits:
+                s = math.prod(spatial)
+                ranks = [read_pattern(files, Grid(spatial=spatial, world_size=s, rank=r), args.repeat)
+                         for r in range(s)]
+                worst = max(ranks, key=lambda r: r["seconds_per_sample"])
+                key = "x".join(map(str, spatial))
+                row["blocks"][key] = {
+                    "bytes_read_per_rank_per_sample": max(r["bytes_read_per_sample"] for r in ranks),
+                    "share_of_whole_bytes": max(r["bytes_read_per_sample"] for r in ranks)
+                    / whole["bytes_read_per_sample"],
+                    "rank_stored_MBps": worst["stored_MBps"],
+                    "speedup_over_whole": whole["seconds_per_sample"] / worst["seconds_per_sample"],
+                }
+                summary[f"{codec}_{key}_bytes_share"] = row["blocks"][key]["share_of_whole_bytes"]
+                summary[f"{codec}_{key}_speedup"] = row["blocks"][key]["speedup_over_whole"]
+            summary[f"{codec}_whole_over_raw_throughput"] = whole["stored_MBps"] / row["raw_read_MBps"]
+            speedups[codec] = {k: v["speedup_over_whole"] for k, v in row["blocks"].items()}
+            yield row
+
+    def draw(ax: Any) -> None:
+        grids = list(next(iter(speedups.values())).keys()) if speedups else []
+        width = 0.8 / max(len(speedups), 1)
+        for i, (codec, by_grid) in enumerate(speedups.items()):
+            ax.bar([g + i * width for g in range(len(grids))], [by_grid[k] for k in grids], width, label=codec)
+        ax.set_xticks([g + 0.4 - width / 2 for g in range(len(grids))], grids)
+        ax.axhline(1.0, color="grey", lw=0.5)
+        ax.set_xlabel("spatial split")
+        ax.set_ylabel("per-rank read speedup over whole samples")
+        ax.set_title(f"block reads, {args.size}^3")
+        ax.legend(fontsize=7)
+
+    summary["plot"] = plot(args, "io", draw)
+    summary["load_after"] = load()
+    yield summary
+
+
+# -- loader -----------------------------------------------------------------------------
+
+def loader_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--size", type=int, default=64)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--codecs", default="none,zstd")
+    p.add_argument("--workers", default="0,1")
+    p.add_argument("--set", nargs="*", default=["model.conv_filters=16"],
+                   help="model overrides of the default family")
+
+
+def loader(args: argparse.Namespace) -> Rows:
+    """Share of the step time spent waiting for data (the default family, serial and spatial 2)."""
+    from parallel.bench.ranks import run_ranks
+    from parallel.bench.step import loader_share
+
+    family = get(names()[0])
+    samples = synthetic_samples(family, args.samples, args.size)
+    summary: dict[str, Any] = {"kind": "summary", "command": "loader", "load_before": load()}
+    with tempfile.TemporaryDirectory() as tmp:
+        for codec in args.codecs.split(","):
+            d = Path(tmp) / codec.replace(":", "_")
+            d.mkdir()
+            files = [str(f) for f in write_files(d, family.spec, samples, [(1, 1, 1), (2, 1, 1)], codec)]
+            for workers in (int(w) for w in args.workers.split(",")):
+                for spatial in ((1, 1, 1), (2, 1, 1)):
+                    world = math.prod(spatial)
+                    r = run_ranks(world, loader_share, files, family.name, args.size, args.set, args.batch,
+                                  workers, args.steps, spatial=spatial)
+                    share = max(x["wait_share"] for x in r)
+                    yield {"kind": "loader", "codec": codec, "workers": workers, "spatial": list(spatial),
+                           "seconds_per_step": max(x["seconds"] for x in r) / max(r[0]["steps"], 1),
+                           "wait_share": share}
+                    summary[f"{codec}_workers{workers}_spatial{world}_wait_share"] = share
+    summary["load_after"] = load()
+    yield summary
