@@ -28,7 +28,7 @@ from parallel.data.reader import SampleReadError
 from parallel.grid import Grid
 from parallel.train.cli import CONFIG_ROOT, register
 from parallel.train.config import UnknownKeyError, to_dataclass
-from parallel.train.data import FINITE_KEY, CheckedDataset
+from parallel.train.data import CheckedDataset
 from parallel.train.preflight import ConfigError, InputError, check_data, check_model, check_world, validate_config
 from train_helpers import BIN, REPO, env
 
@@ -83,7 +83,7 @@ def _fails(job: CosmoFlowJob, *patterns: str, grid: Grid = SERIAL) -> str:
 
 
 def test_a_good_set_passes(good):
-    assert check_data(_job(good), COSMO, SERIAL) == (SIZE, SIZE, SIZE)
+    assert check_data(_job(good), COSMO, SERIAL).volume == (SIZE, SIZE, SIZE)
 
 
 def test_missing_or_unusable_data_dir(tmp_path, good):
@@ -200,16 +200,16 @@ def test_non_finite_input_voxels(good, mode):
 
     ds = CheckedDataset(good / "train", fields=("volume", "target"), grid=Grid((2, 1, 1), 2, 1), transform=transform,
                         input_field="volume", target_field="target", nonfinite=mode)
-    assert ds.load(1)[0][FINITE_KEY].item() if mode == "skip" else ds.load(1)
+    assert ds.input_finite(ds.load(1)[0]) if mode == "skip" else ds.load(1)
     if mode == "fail":
         with pytest.raises(SampleReadError, match=re.escape(str(path)) + r": field 'volume' sample 0: 1 non-finite "
                                                    r"values .* in this rank's block \[\(4, 8\), \(0, 8\), \(0, 8\)\]"):
             ds.load(2)
     else:
-        assert not ds.load(2)[0][FINITE_KEY].item()
+        assert ds.input_finite(ds.load(2)[0]) is False
         other = CheckedDataset(good / "train", fields=("volume", "target"), grid=Grid((2, 1, 1), 2, 0),
                                transform=transform, input_field="volume", target_field="target", nonfinite=mode)
-        assert other.load(2)[0][FINITE_KEY].item()  # the other block is fine: the loop all-reduces the flags
+        assert other.input_finite(other.load(2)[0]) is True  # the other block is fine: the loop all-reduces the flags
 
 
 def test_volume_the_grid_cannot_split(good):
@@ -259,6 +259,8 @@ def test_config_values_and_types():
     job.parallel.spatial = "abc"
     with pytest.raises(ConfigError, match=r"parallel\.spatial=abc: want three positive ints"):
         validate_config(job)
+    job.parallel.spatial = "auto"  # a value the config accepts: the planner chooses at start-up
+    validate_config(job)
 
 
 def test_cli_reports_bad_input_cleanly(good, tmp_path):

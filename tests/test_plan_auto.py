@@ -17,14 +17,15 @@ from parallel.launch import free_port
 from parallel.train.cli import CONFIG_ROOT, register
 from parallel.train import autosplit
 from parallel.train.config import to_dataclass
+from parallel.train.preflight import read_facts
 from train_helpers import REPO, env, prepare
 
 TIMEOUT = 240
 
 
 def _choice(cfg: CosmoFlowJob, calibration: Path, monkeypatch) -> list[int]:
-    monkeypatch.setattr(plan, "DEFAULT_CALIBRATION", calibration)
-    return autosplit.auto_spatial(cfg, FAMILY, world_size=2)
+    monkeypatch.setenv("SPATIALCNN_CALIBRATION", str(calibration))
+    return autosplit.auto_spatial(cfg, FAMILY, read_facts(cfg, FAMILY), world_size=2)
 
 
 def test_rank0_chooses_the_split_for_everyone(tmp_path: Path, monkeypatch):

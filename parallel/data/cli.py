@@ -1,7 +1,7 @@
 """Pieces shared by the ``prepare`` commands of the model families.
 
-The commands themselves live with each model (``python -m cosmoflow.prepare``,
-``python -m unet3d.prepare``); this module gives them the same options for codecs,
+The commands themselves live with each model family (``python -m <family>.prepare``);
+this module gives them the same options for codecs,
 splits and workers, the same ``check`` subcommand and the same closing manifest.
 """
 

@@ -1,16 +1,20 @@
-"""The training loop shared by CosmoFlow and the 3D U-Net.
+"""The training loop shared by every model family.
 
 >>> from parallel.train import train
 >>> summary = train(cfg, family)        # collective: every rank calls it
 
-Split by concern: ``config`` (typed sections), ``family`` (what a model supplies),
-``data`` (readers), ``optim`` (optimiser and schedule), ``loop`` (the run),
-``evaluate``, ``checkpoint``, ``report`` (metrics.jsonl, TensorBoard, summary),
-``mlperf`` (the MLPerf log) and ``cli`` (the Hydra entry point).
+Split by concern: ``config`` (typed sections), ``family`` (what a model supplies, and
+the registry by name), ``preflight`` (checks and the sample facts, before training),
+``data`` (readers and batches), ``optim`` (optimiser and schedule), ``lifecycle`` (the
+process: start, watchdog, failure, exit codes), ``loop`` (the trainer's run), ``step``
+(one step and its non-finite guard), ``state`` (what a checkpoint holds),
+``evaluate``, ``checkpoint`` (files), ``report`` (metrics.jsonl, TensorBoard, summary),
+``mlperf`` (the MLPerf log), ``autosplit`` (``parallel.spatial=auto``) and ``cli``
+(the Hydra entry point).
 """
 
 from parallel.train.config import JobConfig
 from parallel.train.family import Family
-from parallel.train.loop import train
+from parallel.train.lifecycle import train
 
 __all__ = ["Family", "JobConfig", "train"]

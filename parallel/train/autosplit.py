@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
-import h5py
 import torch
 
 from parallel import plan
-from parallel.data.format import sample_files
-from parallel.train.preflight import sample_spec
+from parallel.train.preflight import SampleFacts
 
 log = logging.getLogger("parallel")
 
@@ -36,9 +33,9 @@ def _memory_per_rank(cfg: Any) -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(local, 1)
 
 
-def auto_spatial(cfg: Any, family: Any, world_size: int | None = None) -> list[int]:
+def auto_spatial(cfg: Any, family: Any, facts: SampleFacts, world_size: int | None = None) -> list[int]:
     """``parallel.spatial=auto``: the spatial split of the fastest (data x spatial) split that
-    fits, for this job's model, sample volume, global batch and world size.
+    fits, for this job's model, sample volume (``facts``), global batch and world size.
 
     The training loop calls it on rank 0 only and broadcasts the answer
     (``parallel.init``), so every rank builds the same grid whatever its own files say.
@@ -46,28 +43,17 @@ def auto_spatial(cfg: Any, family: Any, world_size: int | None = None) -> list[i
     one the model's built-in figures are used, and a warning says so.
     """
     world = world_size if world_size is not None else world_size_from_env()
-    spec = sample_spec(family)
-    field_spec = spec[family.input_field]
-    files = sample_files(Path(cfg.data.dir) / cfg.data.train_subdir)
-    if not files:
-        raise ValueError(f"parallel.spatial=auto: no sample files under {cfg.data.dir}/{cfg.data.train_subdir}")
-    with h5py.File(files[0], "r") as f:
-        shape = f.attrs.get("global_shape")
-        if shape is None:
-            shape = f[field_spec.name].shape[-3:]
-        dtype_bytes = f[field_spec.name].dtype.itemsize
-    volume = tuple(int(v) for v in shape)
-    channels = field_spec.channels or 1
     with torch.device("meta"):
-        model = family.build_model(cfg.model, volume)
-    layers = plan.trace(model, (channels, *volume))
+        model = family.build_model(cfg.model, facts.volume)
+    layers = plan.trace(model, (facts.channels, *facts.volume))
     opts = plan.Options(global_batch=max(1, cfg.train.global_batch_size // cfg.train.accum_steps),
-                   stored_bytes_per_voxel=dtype_bytes * channels, overlap=cfg.parallel.overlap_halo,
-                   recompute=cfg.train.activation_checkpointing,
-                   optimizer_states=2 if str(cfg.optim.name) == "adamw" else 1)
-    if not plan.DEFAULT_CALIBRATION.is_file():
+                        stored_bytes_per_voxel=facts.stored_bytes_per_voxel, overlap=cfg.parallel.overlap_halo,
+                        recompute=cfg.train.activation_checkpointing,
+                        optimizer_states=2 if str(cfg.optim.name) == "adamw" else 1)
+    calibration = plan.default_calibration()
+    if not calibration.is_file():
         log.warning(
             "parallel.spatial=auto: no calibration at %s; using built-in figures (write one with "
-            "'python scripts/benchmark.py calibrate', or point SPATIALCNN_CALIBRATION at one)", plan.DEFAULT_CALIBRATION)
+            "'python scripts/benchmark.py calibrate', or point SPATIALCNN_CALIBRATION at one)", calibration)
     spatial = plan.choose(layers, plan.Machine.load(), world, _memory_per_rank(cfg), opts)
     return list(spatial)

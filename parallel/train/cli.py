@@ -1,4 +1,4 @@
-"""The Hydra entry point behind ``python -m cosmoflow.train`` and ``python -m unet3d.train``.
+"""The Hydra entry point behind each family's ``python -m <family>.train``.
 
 The family's ``JobConfig`` subclass is registered as the structured config
 ``<family>_schema``; YAML files in ``configs/<family>/`` start from it and hold overrides
@@ -19,9 +19,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from parallel.launch import env_rank
 from parallel.train.config import UnknownKeyError, to_dataclass
-from parallel.train.family import Family
+from parallel.train.family import CONFIG_ROOT, Family
 
-CONFIG_ROOT = Path(__file__).resolve().parents[2] / "configs"
+__all__ = ["CONFIG_ROOT", "load_job", "main", "register"]
 
 
 def register(family: Family) -> str:
@@ -37,7 +37,7 @@ def main(family: Family, config_name: str = "default") -> Any:
 
     @hydra.main(version_base=None, config_path=str(CONFIG_ROOT / family.name), config_name=config_name)
     def _run(cfg: DictConfig) -> Any:
-        from parallel.train.loop import train
+        from parallel.train.lifecycle import train
 
         try:
             job = to_dataclass(cfg, family.config_class)

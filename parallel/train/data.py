@@ -3,6 +3,8 @@
 Each rank reads only its block of each sample (``parallel.data.BlockDataset``); the
 training sampler shuffles globally from the job seed and gives each data group its rows
 of every global batch, so the global batch does not depend on the data-parallel size.
+The loaders yield ``(Batch, StepStats)``: the batch's fields and, when
+``data.nonfinite=skip``, which samples' input blocks are finite on this rank.
 """
 
 from __future__ import annotations
@@ -12,27 +14,47 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from parallel.data import BlockDataset, GlobalShuffleSampler, make_loader, stage
+from parallel.data.loader import StepStats
 from parallel.data.reader import SampleReadError
 from parallel.grid import Grid
 from parallel.train.config import JobConfig
 from parallel.train.family import Family
+from parallel.train.preflight import SampleFacts
 
 log = logging.getLogger("parallel.train")
 
 
-FINITE_KEY = "_finite"  # per-sample flag the loop reads when data.nonfinite=skip
+@dataclass
+class Batch:
+    """One step's local batch."""
+
+    fields: dict[str, torch.Tensor]
+    """The sample fields, stacked along a leading batch dim."""
+    finite: torch.Tensor | None = None
+    """With ``data.nonfinite=skip``: (n,) bool, whether each sample's input block on this
+    rank is finite (the step all-reduces it over the spatial group); else None."""
 
 
 class CheckedDataset(BlockDataset):
     """A ``BlockDataset`` that checks each block after the transform: a non-finite target
     always fails; a non-finite input fails (``nonfinite="fail"``) or is flagged for the
-    loop to skip (``"skip"``: every sample then carries ``FINITE_KEY``). Errors name the
-    file, field, sample and this rank's block."""
+    loop to skip (``"skip"``: ``input_finite(sample)`` says which). Errors name the file,
+    field, sample and this rank's block."""
+
+    # The flag travels through the DataLoader's workers and collation with the sample's
+    # fields; ``Batches`` takes it out again into ``Batch.finite``.
+    _FLAG = "_input_finite"
+
+    @classmethod
+    def input_finite(cls, sample: dict[str, torch.Tensor]) -> bool | None:
+        """Whether a loaded sample's input block is finite (None: not checked, ``"fail"``)."""
+        flag = sample.get(cls._FLAG)
+        return None if flag is None else bool(flag)
 
     def __init__(self, *args: Any, input_field: str, target_field: str, nonfinite: str = "fail",
                  **kwargs: Any) -> None:
@@ -52,7 +74,7 @@ class CheckedDataset(BlockDataset):
             where = f"{path}: field {name!r} sample {row}"
             if name == self.input_field and self.nonfinite == "skip":
                 log.warning("%s: %d non-finite values in this rank's block; the sample is skipped", where, bad)
-                sample[FINITE_KEY] = torch.tensor(False)
+                sample[self._FLAG] = torch.tensor(False)
                 return sample, nbytes, seconds
             block = ""
             if self.grid is not None and self.grid.spatial_size > 1 and name == self.input_field:
@@ -61,7 +83,7 @@ class CheckedDataset(BlockDataset):
             raise SampleReadError(f"{where}: {bad} non-finite values (NaN or inf) after the transform{block}, "
                                   f"want all finite{hint}")
         if self.nonfinite == "skip":
-            sample[FINITE_KEY] = torch.tensor(True)
+            sample[self._FLAG] = torch.tensor(True)
         return sample, nbytes, seconds
 
     def _block(self) -> list[tuple[int, int]]:
@@ -69,26 +91,44 @@ class CheckedDataset(BlockDataset):
         return list(self.grid.block_range(tuple(int(s) for s in shape))) if shape is not None else []
 
 
+class Batches:
+    """A loader's steps as ``(Batch, StepStats)`` (the loader itself yields plain dicts)."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
+        self.loader.set_epoch(epoch, start_step)
+
+    def __iter__(self) -> Iterator[tuple[Batch, StepStats]]:
+        for fields, stats in self.loader:
+            finite = fields.pop(CheckedDataset._FLAG, None)
+            yield Batch(fields, finite), stats
+
+
 @dataclass
 class JobData:
     """The readers of a job and what the loop needs to know about them."""
 
-    train: Any
-    val: Any
+    train: Batches
+    val: Batches
     n_train: int
     n_val: int
     volume: tuple[int, int, int]
     staging_seconds: float = 0.0
 
 
-def split_dir(cfg: JobConfig, split: str, model: str) -> Path:
+def split_dir(cfg: JobConfig, split: str, family: Family) -> Path:
     """``data.dir/<split>``, with an error that says how to make it when it is missing."""
     sub = cfg.data.train_subdir if split == "train" else cfg.data.val_subdir
     path = Path(cfg.data.dir) / sub
     if not path.is_dir():
         raise FileNotFoundError(
             f"data.dir={cfg.data.dir!r} has no {sub}/ directory ({path}); generate a set with "
-            f"`python -m {model}.prepare synthetic --out {cfg.data.dir}` or point data.dir at one"
+            f"{family.prepare_hint(cfg.data.dir)} or point data.dir at one"
         )
     return path
 
@@ -110,11 +150,12 @@ def _loader(ds: BlockDataset, sampler: Any, cfg: JobConfig, grid: Grid, seed: in
     return loader
 
 
-def build_data(cfg: JobConfig, family: Family, grid: Grid) -> JobData:
-    """Stage (if asked) and open the train and val splits for this rank."""
+def build_data(cfg: JobConfig, family: Family, grid: Grid, facts: SampleFacts) -> JobData:
+    """Stage (if asked) and open the train and val splits for this rank (samples of
+    ``facts.volume``, as the pre-flight check found them)."""
     fields = (family.input_field, family.target_field)
-    train_dir = split_dir(cfg, "train", family.name)
-    val_dir = split_dir(cfg, "val", family.name)
+    train_dir = split_dir(cfg, "train", family)
+    val_dir = split_dir(cfg, "val", family)
     t0 = time.perf_counter()
     if cfg.data.stage_dir:
         mode = "blocks" if cfg.data.stage_blocks_only else "shard"
@@ -135,10 +176,6 @@ def build_data(cfg: JobConfig, family: Family, grid: Grid) -> JobData:
         val_ds.transform = family.transform_for(val_ds.attrs)
     n_train = _count(len(train_ds), cfg.data.max_train_samples, "data.max_train_samples", train_dir)
     n_val = _count(len(val_ds), cfg.data.max_val_samples, "data.max_val_samples", val_dir)
-    shape = train_ds.attrs.get("global_shape")
-    if shape is None:
-        raise ValueError(f"{train_dir}: sample files carry no global_shape attribute")
-    volume = tuple(int(s) for s in shape)
     g = cfg.train.global_batch_size
     per_step = grid.data_size * cfg.train.accum_steps
     if g % per_step != 0:
@@ -154,7 +191,7 @@ def build_data(cfg: JobConfig, family: Family, grid: Grid) -> JobData:
     val_sampler = GlobalShuffleSampler(n_val, grid, global_batch=max(eval_batch, grid.data_size),
                                        seed=cfg.train.seed, shuffle=False, drop_last=False)
     return JobData(
-        train=_loader(train_ds, train_sampler, cfg, grid, cfg.train.seed + 1),
-        val=_loader(val_ds, val_sampler, cfg, grid, cfg.train.seed + 2),
-        n_train=n_train, n_val=n_val, volume=volume, staging_seconds=staging,  # type: ignore[arg-type]
+        train=Batches(_loader(train_ds, train_sampler, cfg, grid, cfg.train.seed + 1)),
+        val=Batches(_loader(val_ds, val_sampler, cfg, grid, cfg.train.seed + 2)),
+        n_train=n_train, n_val=n_val, volume=facts.volume, staging_seconds=staging,
     )

@@ -34,14 +34,16 @@ def autocast(precision: str, device: torch.device) -> ContextManager[Any]:
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: Any, family: Family, grid: Grid, precision: str,
              epoch: int) -> dict[str, float]:
-    """Mean loss and mean metric over the validation samples; the same on every rank."""
+    """Mean loss and mean metric over the validation samples; the same on every rank.
+
+    ``loader`` yields ``(parallel.train.data.Batch, StepStats)``."""
     was_training = model.training
     model.eval()
     t0 = time.perf_counter()
     sums = torch.zeros(3, dtype=torch.float64, device=grid.device)
     loader.set_epoch(epoch)
     for batch, _ in loader:
-        x, y = batch[family.input_field], batch[family.target_field]
+        x, y = batch.fields[family.input_field], batch.fields[family.target_field]
         n = x.shape[0]
         if n == 0:
             continue

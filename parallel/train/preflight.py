@@ -1,28 +1,31 @@
 """Checks before training: bad input stops the job with one clear message, up front.
 
 ``validate_config`` checks the values Hydra's types cannot (lengths, signs, ranges) and
-names the key. ``check_data`` (collective) checks the sample files of the train and val
-splits, each rank a share of the files (``parallel.data.check.check_file``: readable
-HDF5, fields, dtypes, shapes, sample counts, finite targets; ``data.check=deep`` reads
-every voxel), and that the grid can split the volume. ``check_model`` runs the serial
-model on a meta tensor of the global volume (no memory, no compute) and checks that
-every activation along a split dim still has a voxel per block, naming the layer
-otherwise. Every rank raises the same ``InputError``, so the job ends cleanly without
-waiting for a timeout. See ``docs/failures.md``.
+names the key. ``read_facts`` reads what the job needs to know about its samples (the
+volume, the input's channels and stored bytes) once, from the first training file;
+everything after is handed these ``SampleFacts``. ``check_data`` (collective) checks
+the sample files of the train and val splits, each rank a share of the files
+(``parallel.data.check.check_file``: readable HDF5, fields, dtypes, shapes, sample
+counts, finite targets; ``data.check=deep`` reads every voxel), and that the grid can
+split the volume. ``check_model`` traces the serial model on the meta device
+(``parallel.plan.trace``: no memory, no compute) and checks that every activation along
+a split dim still has a voxel per block, naming the layer otherwise. Every rank raises
+the same ``InputError``, so the job ends cleanly without waiting for a timeout. See
+``docs/failures.md``.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from parallel.data.check import check_file
 from parallel.data.format import SampleSpec, read_manifest, sample_files
@@ -47,13 +50,18 @@ class ConfigError(InputError):
     """A config value that cannot work; the message names the key."""
 
 
+def is_auto(spatial: Any) -> bool:
+    """Whether ``parallel.spatial`` asks the planner to choose (``auto``)."""
+    return isinstance(spatial, str) and spatial == "auto"
+
+
 def validate_config(cfg: JobConfig) -> None:
     """Raise ``ConfigError`` naming the first key whose value cannot work."""
     spatial = cfg.parallel.spatial
-    spatial_ok = isinstance(spatial, (list, tuple)) and len(spatial) == 3 and all(
+    spatial_ok = is_auto(spatial) or isinstance(spatial, (list, tuple)) and len(spatial) == 3 and all(
         isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in spatial)
     checks: list[tuple[bool, str]] = [
-        (spatial_ok, f"parallel.spatial={spatial}: want three positive ints [sd, sh, sw]"),
+        (spatial_ok, f"parallel.spatial={spatial}: want three positive ints [sd, sh, sw] or auto"),
         (cfg.parallel.timeout_s > 0, f"parallel.timeout_s={cfg.parallel.timeout_s}: want > 0"),
         (cfg.parallel.heartbeat_s > 0, f"parallel.heartbeat_s={cfg.parallel.heartbeat_s}: want > 0"),
         (cfg.train.global_batch_size >= 1,
@@ -84,11 +92,54 @@ def check_world(spatial: Sequence[int], world_size: int) -> None:
                           f"{world_size}: data x spatial({sd}x{sh}x{sw}) cannot equal {world_size}")
 
 
-def sample_spec(family: Family) -> SampleSpec:
-    """The family's sample spec (``<family>.fields.SPEC``), limited to the fields trained on."""
-    spec = getattr(family, "spec", None) or importlib.import_module(f"{family.name}.fields").SPEC
-    wanted = (family.input_field, family.target_field)
-    return SampleSpec(spec.name, tuple(f for f in spec.fields if f.name in wanted), spec.attrs)
+@dataclass(frozen=True)
+class SampleFacts:
+    """What a job knows about its samples, read once (``read_facts``) and handed on: to the
+    planner (``parallel.spatial=auto``), the checks, the readers and the model."""
+
+    spec: SampleSpec
+    """The family's sample spec, limited to the two fields trained on."""
+    volume: tuple[int, int, int]
+    """The global sample volume (D, H, W)."""
+    channels: int
+    """Channels of the input field."""
+    input_itemsize: int
+    """Bytes of one stored value of the input field."""
+    source: Path
+    """The file they were read from (the first training file)."""
+
+    @property
+    def stored_bytes_per_voxel(self) -> int:
+        """Bytes of one voxel of the input field as stored (all channels)."""
+        return self.input_itemsize * self.channels
+
+
+def read_facts(cfg: JobConfig, family: Family, first: Path | None = None, key: str = "data.train_subdir"
+               ) -> SampleFacts:
+    """The ``SampleFacts`` of the job, from ``first`` (default: the first training file)."""
+    spec = family.trained_spec()
+    field = spec[family.input_field]
+    if first is None:
+        root = Path(cfg.data.dir) / cfg.data.train_subdir
+        files = sample_files(root) if root.is_dir() else []
+        if not files:
+            raise InputError(f"{key}: no sample files under {root} (*.h5, *.hdf5)")
+        first = files[0]
+    import h5py
+
+    try:
+        with h5py.File(first, "r") as f:
+            shape = f.attrs.get("global_shape")
+            if shape is None and field.name in f and f[field.name].ndim >= 4:
+                shape = f[field.name].shape[-3:]
+            itemsize = f[field.name].dtype.itemsize if field.name in f else np.dtype(field.dtype).itemsize
+    except OSError as err:
+        raise InputError(f"{key}: {first}: cannot open as HDF5 (corrupt or truncated?): {err}") from err
+    if shape is None or len(shape) != 3:
+        raise InputError(f"{key}: {first}: no global_shape attribute and no volume field {field.name!r} "
+                         "to take the volume from")
+    volume = tuple(int(s) for s in shape)
+    return SampleFacts(spec, volume, field.channels or 1, int(itemsize), Path(first))  # type: ignore[arg-type]
 
 
 def _readable_dir(path: Path, key: str) -> None:
@@ -121,22 +172,6 @@ def _files(root: Path, key: str) -> tuple[list[Path], dict[str, int]]:
     return files, counts
 
 
-def _first_volume(path: Path, field: str, key: str) -> tuple[int, int, int]:
-    import h5py
-
-    try:
-        with h5py.File(path, "r") as f:
-            shape = f.attrs.get("global_shape")
-            if shape is None and field in f and f[field].ndim >= 4:
-                shape = f[field].shape[-3:]
-    except OSError as err:
-        raise InputError(f"{key}: {path}: cannot open as HDF5 (corrupt or truncated?): {err}") from err
-    if shape is None or len(shape) != 3:
-        raise InputError(f"{key}: {path}: no global_shape attribute and no volume field {field!r} "
-                         "to take the volume from")
-    return tuple(int(s) for s in shape)  # type: ignore[return-value]
-
-
 def _manifest_problems(path: Path, claimed: int | None) -> list[str]:
     if claimed is None:
         return []
@@ -152,13 +187,12 @@ def _manifest_problems(path: Path, claimed: int | None) -> list[str]:
     return []
 
 
-def check_data(cfg: JobConfig, family: Family, grid: Grid) -> tuple[int, int, int]:
-    """Check both splits' files (collective; each rank a share); the global volume.
+def check_data(cfg: JobConfig, family: Family, grid: Grid, facts: SampleFacts | None = None) -> SampleFacts:
+    """Check both splits' files (collective; each rank a share); the job's ``SampleFacts``
+    (``facts`` if already read, else read here from the first training file).
 
     Raises ``InputError`` on every rank, quoting the first problems with their files.
     """
-    spec = sample_spec(family)
-    volume_field = spec[family.input_field].name
     mode = str(cfg.data.check)
     splits = [("train", cfg.data.train_subdir), ("val", cfg.data.val_subdir)]
     root = Path(cfg.data.dir)
@@ -170,10 +204,12 @@ def check_data(cfg: JobConfig, family: Family, grid: Grid) -> tuple[int, int, in
         if not path.exists():
             raise InputError(
                 f"data.dir={cfg.data.dir!r} has no {sub}/ directory ({path}); generate a set with "
-                f"`python -m {family.name}.prepare synthetic --out {cfg.data.dir}` or point data.dir at one")
+                f"{family.prepare_hint(cfg.data.dir)} or point data.dir at one")
         roots.append((f"data.{split}_subdir", path))
     listed = [(key, path, *_files(path, key)) for key, path in roots]
-    volume = _first_volume(listed[0][2][0], volume_field, listed[0][0])
+    if facts is None:
+        facts = read_facts(cfg, family, listed[0][2][0], listed[0][0])
+    spec, volume = facts.spec, facts.volume
     try:
         grid.block_range(volume)
     except SplitError as err:
@@ -192,8 +228,8 @@ def check_data(cfg: JobConfig, family: Family, grid: Grid) -> tuple[int, int, in
         more = f" (and {len(problems) - MAX_LISTED} more)" if len(problems) > MAX_LISTED else ""
         raise InputError(f"{len(problems)} problem(s) in the sample files of data.dir={cfg.data.dir!r}{more}:\n  "
                          + "\n  ".join(problems[:MAX_LISTED])
-                         + f"\n`python -m {family.name}.prepare check DIR` lists every problem")
-    return volume
+                         + f"\n`{family.prepare or 'the prepare command'} check DIR` lists every problem")
+    return facts
 
 
 def _gather_lines(lines: list[str], grid: Grid) -> list[str]:
@@ -220,44 +256,34 @@ def check_model(family: Family, model_cfg: Any, volume: Sequence[int], channels:
     """Raise ``InputError`` when a layer's input or output along a split dim has fewer
     voxels than blocks (a stride or pooling shrank it below the split), naming the layer.
 
-    The serial model runs on the meta device (shapes only): nothing is allocated.
+    The serial model is traced on the meta device (``parallel.plan.trace``: shapes only,
+    nothing is allocated).
     """
+    from parallel.plan.trace import trace
+
     try:
         with torch.device("meta"):
             model = family.build_model(model_cfg, tuple(int(v) for v in volume))
-            x = torch.empty(1, channels, *volume)
     except (ValueError, TypeError) as err:  # the model's own checks of its config against the volume
         raise InputError(f"{family.name} model: {err}") from err
     if grid.spatial_size == 1:
         return
-    seen: list[tuple[str, nn.Module, tuple[int, ...], tuple[int, ...]]] = []
-
-    def hook(name: str):
-        def record(mod: nn.Module, args: tuple, out: Any) -> None:
-            inp = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() == 5), None)
-            if inp is not None and isinstance(out, torch.Tensor) and out.dim() == 5:
-                seen.append((name, mod, tuple(inp.shape[2:]), tuple(out.shape[2:])))
-        return record
-
-    handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules()
-               if n and not list(m.children())]
     try:
-        with torch.no_grad():
-            model(x)
+        layers = trace(model, (channels, *volume))
     except (NotImplementedError, RuntimeError) as err:
         if isinstance(err, NotImplementedError) or "meta" in str(err).lower():
             log.debug("shape check skipped: the model does not run on the meta device (%s)", err)
             return
         raise InputError(f"the model ({family.name}, model config {model_cfg}) cannot run on a volume of "
                          f"{list(volume)}: {err}") from err
-    finally:
-        for h in handles:
-            h.remove()
-    for name, mod, n_in, n_out in seen:
+    for layer in layers:
+        if len(layer.in_shape) != 4 or len(layer.out_shape) != 4:
+            continue
+        n_in, n_out = layer.in_shape[1:], layer.out_shape[1:]
         for axis, parts in enumerate(grid.spatial):
             if parts > 1 and min(n_in[axis], n_out[axis]) < parts:
                 raise InputError(
-                    f"layer '{name}' ({type(mod).__name__}): output size {n_out[axis]} along dim "
+                    f"layer '{layer.name}' ({type(layer.module).__name__}): output size {n_out[axis]} along dim "
                     f"{DIM_NAMES[axis]} (input {n_in[axis]}) cannot be split {parts} ways for "
                     f"parallel.spatial={list(grid.spatial)} and a volume of {list(volume)}; use fewer "
                     f"blocks along {DIM_NAMES[axis]}, a larger volume or a shallower model")

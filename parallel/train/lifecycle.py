@@ -1,0 +1,136 @@
+"""The process around a training job: start, failure and end.
+
+``train(cfg, family)`` is collective: every rank of the job calls it with the same
+config. It validates the config, starts the process group (``parallel.spatial=auto``:
+rank 0 asks the planner), the watchdog and the threads, runs the ``Trainer``, and ends
+the process: 0 after a clean end, 2 for bad input or config, 1 for anything else, after
+one clear message; with several ranks the watchdog makes every rank stop, naming the rank
+that failed (``docs/failures.md``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+
+import parallel
+from parallel.data.reader import SampleReadError
+from parallel.grid import Grid
+from parallel.launch import env_rank, store_address
+from parallel.partition import SplitError
+from parallel.train import checkpoint, preflight
+from parallel.train.config import JobConfig
+from parallel.train.family import Family
+from parallel.train.loop import Trainer
+from parallel.train.report import setup_logging
+from parallel.train.step import NonFiniteError
+from parallel.watchdog import Watchdog
+
+log = logging.getLogger("parallel.train")
+
+EXIT_USER = 2
+"""Exit status for bad input or config (the message says what to change)."""
+EXIT_FAILURE = 1
+"""Exit status for anything else."""
+
+# Failures reported as one line (the message says what and where); anything else is
+# logged with its traceback, since it is probably a bug.
+CLEAN_ERRORS = (preflight.InputError, checkpoint.CheckpointError, SampleReadError, SplitError,
+                FileNotFoundError, PermissionError, NonFiniteError)
+
+
+def train(cfg: JobConfig, family: Family) -> dict[str, Any]:
+    """Run a training job from ``cfg``; returns the summary (on every rank).
+
+    Any failure ends the process with a non-zero status (see the module docstring).
+    """
+    setup_logging(cfg.run, env_rank())
+    auto = preflight.is_auto(cfg.parallel.spatial)
+    try:
+        preflight.validate_config(cfg)
+    except preflight.ConfigError as err:
+        log.error("bad config: %s", err)
+        raise SystemExit(EXIT_USER) from None
+    facts: preflight.SampleFacts | None = None
+
+    def decide() -> list[int]:  # rank 0, once the process group runs; its facts are not read again
+        nonlocal facts
+        from parallel.train.autosplit import auto_spatial
+
+        facts = preflight.read_facts(cfg, family)
+        return auto_spatial(cfg, family, facts)
+
+    try:
+        spatial: Any = decide if auto else cfg.parallel.spatial
+        grid = parallel.init(spatial, backend=cfg.parallel.backend, timeout_s=cfg.parallel.timeout_s)
+        if auto:
+            log.info("parallel.spatial=auto chose %s for %d ranks (parallel.plan)", "x".join(map(str, grid.spatial)),
+                     grid.world_size)
+    except ValueError as err:  # the grid does not fit the world size, or auto found no split
+        log.error("bad config: parallel.spatial=%s: %s", "auto" if auto else list(cfg.parallel.spatial), err)
+        parallel.destroy()
+        raise SystemExit(EXIT_USER) from None
+    watchdog = None
+    try:
+        setup_logging(cfg.run, grid.rank)
+        watchdog = _start_watchdog(cfg, grid)
+        _set_threads(grid)
+        summary = Trainer(cfg, family, grid, facts).fit()
+    except BaseException as exc:  # noqa: BLE001 - every failure ends the job, loudly
+        _fail(exc, grid, watchdog)
+    if watchdog is not None:
+        watchdog.stop()  # before the barrier: nobody watches a peer that has left
+    if grid.world_size > 1:
+        dist.barrier(group=grid.world_group)
+    parallel.destroy()
+    return summary
+
+
+def _set_threads(grid: Grid) -> None:
+    """CPU ranks share the host's cores unless ``OMP_NUM_THREADS`` says otherwise."""
+    if grid.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", grid.world_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local, 1)))
+
+
+def _start_watchdog(cfg: JobConfig, grid: Grid) -> Watchdog | None:
+    """The watchdog of a multi-rank job; rank 0 writes ``run.dir/ranks.json`` (host, pid)."""
+    address = store_address()
+    if grid.world_size == 1 or address is None:
+        return None
+    attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    wd = Watchdog(grid.rank, grid.world_size, address, cfg.parallel.timeout_s, cfg.parallel.heartbeat_s,
+                  launcher=grid.launcher, namespace=f"spatialcnn/watchdog/{attempt}").start()
+    if grid.rank == 0:
+        path = Path(cfg.run.dir) / "ranks.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(wd.table(), indent=1), encoding="utf-8")
+        log.info("watchdog on: a failed rank stops the job within about %gs (dead peer on this host, or a "
+                 "reported error) or %gs (silent peer); ranks' hosts and pids in %s",
+                 cfg.parallel.heartbeat_s, cfg.parallel.timeout_s, path)
+    return wd
+
+
+def _fail(exc: BaseException, grid: Grid, watchdog: Watchdog | None) -> NoReturn:
+    """Report ``exc`` (once, cleanly) and end this process, or with the watchdog, the job."""
+    if isinstance(exc, SystemExit) and not exc.code:
+        exc = RuntimeError("exited early (SystemExit)")
+    user = isinstance(exc, CLEAN_ERRORS)
+    code = EXIT_USER if isinstance(exc, preflight.InputError) else EXIT_FAILURE
+    collective = bool(getattr(exc, "collective", False))
+    if watchdog is None:
+        if user:
+            log.error("%s", exc)
+        else:
+            log.error("failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
+        parallel.destroy()
+        raise SystemExit(code) from None
+    if not user and not watchdog.blames_peer(exc):
+        log.error("rank %d: %s: %s", grid.rank, type(exc).__name__, exc, exc_info=exc)
+    watchdog.fail(exc, own_error=user, code=code, collective=collective)
