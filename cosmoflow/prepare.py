@@ -28,20 +28,13 @@ import h5py
 
 from cosmoflow import convert
 from cosmoflow.fields import SPEC
-from parallel.data.cli import add_check, add_write_args, finish, run_check, setup_logging, write_options
-from parallel.data.jobs import Job, run_jobs
-
-SPLIT_DIRS = {"train": "train", "validation": "val", "val": "val", "valid": "val"}
-
-
-def split_dirs(src: Path, out: Path) -> list[tuple[Path, Path]]:
-    """(source dir, output dir) pairs: ``train``/``validation`` subdirs, or src itself."""
-    pairs = [(src / name, out / dest) for name, dest in SPLIT_DIRS.items() if (src / name).is_dir()]
-    return pairs or [(src, out)]
+from parallel.data.cli import (add_write_args, convert_command, prepare_main, prepare_parser, run_split, split_dirs,
+                               synthetic_command, write_options)
+from parallel.data.jobs import Job
 
 
 def cmd_synthetic(args: argparse.Namespace) -> int:
-    codec, splits, workers = write_options(args)
+    codec, splits, _ = write_options(args)
     for split_id, (name, total) in enumerate((("train", args.train), ("val", args.val))):
         out = args.out / name
         k = args.samples_per_file
@@ -49,9 +42,9 @@ def cmd_synthetic(args: argparse.Namespace) -> int:
                     (out / f"sample_{first:06d}.h5", args.seed, split_id, first, min(k, total - first),
                      args.size, codec, splits))
                 for first in range(0, total, k)]
-        report = run_jobs(convert.write_synthetic, jobs, workers, f"synthetic {name}", not args.quiet)
         counts = {j.outputs[0].name: j.args[4] for j in jobs}
-        finish(out, SPEC, report, counts, source="synthetic", seed=args.seed, size=args.size)
+        run_split(convert.write_synthetic, jobs, args, f"synthetic {name}", out, SPEC, counts, source="synthetic",
+                  seed=args.seed, size=args.size)
     return 0
 
 
@@ -71,20 +64,20 @@ def _npy_pairs(src: Path) -> list[tuple[Path, Path]]:
 
 
 def cmd_from_npy(args: argparse.Namespace) -> int:
-    codec, splits, workers = write_options(args)
+    codec, splits, _ = write_options(args)
     for src, out in split_dirs(args.src, args.out):
         pairs = _npy_pairs(src)
         if not pairs:
             raise SystemExit(f"{src}: no *_data.npy files")
         jobs = [Job((out / (d.name[: -len("_data.npy")] + ".h5"),),
                     (d, lbl, out / (d.name[: -len("_data.npy")] + ".h5"), codec, splits)) for d, lbl in pairs]
-        report = run_jobs(convert.convert_npy, jobs, workers, f"from-npy {out.name}", not args.quiet)
-        finish(out, SPEC, report, {j.outputs[0].name: 1 for j in jobs}, source=str(src))
+        run_split(convert.convert_npy, jobs, args, f"from-npy {out.name}", out, SPEC,
+                  {j.outputs[0].name: 1 for j in jobs}, source=str(src))
     return 0
 
 
 def cmd_from_tfrecord(args: argparse.Namespace) -> int:
-    codec, splits, workers = write_options(args)
+    codec, splits, _ = write_options(args)
     for src, out in split_dirs(args.src, args.out):
         files = sorted(p for p in src.iterdir() if p.is_file() and re.search(r"\.tfrecords?(\.gz)?$", p.name))
         if not files:
@@ -93,13 +86,12 @@ def cmd_from_tfrecord(args: argparse.Namespace) -> int:
         for p in files:
             target = out / (re.sub(r"\.tfrecords?(\.gz)?$", "", p.name) + ".h5")
             jobs.append(Job((target,), (p, target, codec, splits, args.size)))
-        report = run_jobs(convert.convert_tfrecord, jobs, workers, f"from-tfrecord {out.name}", not args.quiet)
-        finish(out, SPEC, report, source=str(src))
+        run_split(convert.convert_tfrecord, jobs, args, f"from-tfrecord {out.name}", out, SPEC, source=str(src))
     return 0
 
 
 def cmd_from_universe(args: argparse.Namespace) -> int:
-    codec, splits, workers = write_options(args)
+    codec, splits, _ = write_options(args)
     for src, out in split_dirs(args.src, args.out):
         files = sorted(p for p in src.iterdir() if p.suffix in (".h5", ".hdf5") and p.is_file())
         if not files:
@@ -112,47 +104,28 @@ def cmd_from_universe(args: argparse.Namespace) -> int:
                 side = f["full"].shape[0]
             outputs = convert.universe_outputs(p, out, args.crop, side)
             jobs.append(Job(tuple(outputs), (p, out, args.crop, codec, splits)))
-        report = run_jobs(convert.convert_universe, jobs, workers, f"from-universe {out.name}", not args.quiet)
-        finish(out, SPEC, report, {p.name: 1 for j in jobs for p in j.outputs}, source=str(src), crop=args.crop)
+        run_split(convert.convert_universe, jobs, args, f"from-universe {out.name}", out, SPEC,
+                  {p.name: 1 for j in jobs for p in j.outputs}, source=str(src), crop=args.crop)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    setup_logging()
-    parser = argparse.ArgumentParser(prog="python -m cosmoflow.prepare", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("synthetic", help="log-normal Poisson universes with 4 recoverable parameters")
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--size", type=int, default=32, help="voxels per side (up to 512)")
-    p.add_argument("--train", type=int, default=256)
-    p.add_argument("--val", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
+    parser, sub = prepare_parser("python -m cosmoflow.prepare", __doc__)
+    p = synthetic_command(sub, "log-normal Poisson universes with 4 recoverable parameters", size=32, train=256,
+                          val=64)
     p.add_argument("--samples-per-file", type=int, default=1)
     add_write_args(p)
-    p = sub.add_parser("from-npy", help="MLPerf NumPy layout: *_data.npy (S,S,S,4) int16 + *_label.npy")
-    p.add_argument("src", type=Path)
-    p.add_argument("out", type=Path)
-    add_write_args(p)
-    p = sub.add_parser("from-tfrecord", help="MLPerf TFRecord layout (gzip or plain), no TensorFlow")
-    p.add_argument("src", type=Path)
-    p.add_argument("out", type=Path)
+    add_write_args(convert_command(sub, "from-npy",
+                                   "MLPerf NumPy layout: *_data.npy (S,S,S,4) int16 + *_label.npy"))
+    p = convert_command(sub, "from-tfrecord", "MLPerf TFRecord layout (gzip or plain), no TensorFlow")
     p.add_argument("--size", type=int, default=0, help="voxels per side (default: from the byte count)")
     add_write_args(p)
-    p = sub.add_parser("from-universe", help="raw boxes: HDF5 'full' (N,N,N,4) int16 + 'unitPar'")
-    p.add_argument("src", type=Path)
-    p.add_argument("out", type=Path)
+    p = convert_command(sub, "from-universe", "raw boxes: HDF5 'full' (N,N,N,4) int16 + 'unitPar'")
     p.add_argument("--crop", type=int, default=128, help="crop side (0: whole boxes)")
     add_write_args(p)
-    add_check(sub)
-    args = parser.parse_args(argv)
-    if args.command == "check":
-        return run_check(args, SPEC)
-    if args.command == "synthetic" and not 1 <= args.size <= 512:
-        parser.error(f"--size {args.size}: choose 1..512")
-    commands = {"synthetic": cmd_synthetic, "from-npy": cmd_from_npy,
-                "from-tfrecord": cmd_from_tfrecord, "from-universe": cmd_from_universe}
-    return commands[args.command](args)
+    return prepare_main(parser, sub, SPEC, {"synthetic": cmd_synthetic, "from-npy": cmd_from_npy,
+                                            "from-tfrecord": cmd_from_tfrecord, "from-universe": cmd_from_universe},
+                        argv)
 
 
 if __name__ == "__main__":

@@ -18,28 +18,26 @@ import argparse
 import sys
 from pathlib import Path
 
-from parallel.data.cli import add_check, add_write_args, finish, run_check, setup_logging, write_options
-from parallel.data.jobs import Job, run_jobs
+from parallel.data.cli import (SPLIT_DIRS, add_write_args, convert_command, prepare_main, prepare_parser, run_split,
+                               synthetic_command, write_options)
+from parallel.data.jobs import Job
 from unet3d import convert
 from unet3d.fields import SPEC
 
-SPLIT_DIRS = {"train": "train", "validation": "val", "val": "val", "valid": "val"}
-
 
 def cmd_synthetic(args: argparse.Namespace) -> int:
-    codec, splits, workers = write_options(args)
+    codec, splits, _ = write_options(args)
     for split_id, (name, total) in enumerate((("train", args.train), ("val", args.val))):
         out = args.out / name
         jobs = [Job((out / f"case_{i:05d}.h5",), (out / f"case_{i:05d}.h5", args.seed, split_id, i,
                                                    args.size, codec, splits)) for i in range(total)]
-        report = run_jobs(convert.write_synthetic, jobs, workers, f"synthetic {name}", not args.quiet)
-        finish(out, SPEC, report, {j.outputs[0].name: 1 for j in jobs}, source="synthetic",
-               seed=args.seed, size=args.size)
+        run_split(convert.write_synthetic, jobs, args, f"synthetic {name}", out, SPEC,
+                  {j.outputs[0].name: 1 for j in jobs}, source="synthetic", seed=args.seed, size=args.size)
     return 0
 
 
 def cmd_from_kits(args: argparse.Namespace) -> int:
-    codec, splits, workers = write_options(args)
+    codec, splits, _ = write_options(args)
     pairs = [(args.src / name, args.out / dest) for name, dest in SPLIT_DIRS.items() if (args.src / name).is_dir()]
     val_ids: set[str] = set()
     if args.val_list is not None:
@@ -63,35 +61,19 @@ def cmd_from_kits(args: argparse.Namespace) -> int:
         for x, y in cases:
             target = out / (x.name[: -len("_x.npy")] + ".h5")
             jobs.append(Job((target,), (x, y, target, codec, splits)))
-        report = run_jobs(convert.convert_kits, jobs, workers, f"from-kits {out.name}", not args.quiet)
-        finish(out, SPEC, report, {j.outputs[0].name: 1 for j in jobs}, source=str(args.src))
+        run_split(convert.convert_kits, jobs, args, f"from-kits {out.name}", out, SPEC,
+                  {j.outputs[0].name: 1 for j in jobs}, source=str(args.src))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    setup_logging()
-    parser = argparse.ArgumentParser(prog="python -m unet3d.prepare", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("synthetic", help="ellipsoid organs with lesions, intensity variation and noise")
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--size", type=int, default=64, help="voxels per side (up to 512)")
-    p.add_argument("--train", type=int, default=128)
-    p.add_argument("--val", type=int, default=32)
-    p.add_argument("--seed", type=int, default=0)
-    add_write_args(p)
-    p = sub.add_parser("from-kits", help="MLPerf preprocessed KiTS19: case_XXXXX_x.npy / _y.npy")
-    p.add_argument("src", type=Path)
-    p.add_argument("out", type=Path)
+    parser, sub = prepare_parser("python -m unet3d.prepare", __doc__)
+    add_write_args(synthetic_command(sub, "ellipsoid organs with lesions, intensity variation and noise", size=64,
+                                     train=128, val=32))
+    p = convert_command(sub, "from-kits", "MLPerf preprocessed KiTS19: case_XXXXX_x.npy / _y.npy")
     p.add_argument("--val-list", type=Path, default=None, help="case ids for OUT/val, one per line")
     add_write_args(p)
-    add_check(sub)
-    args = parser.parse_args(argv)
-    if args.command == "check":
-        return run_check(args, SPEC)
-    if args.command == "synthetic" and not 1 <= args.size <= 512:
-        parser.error(f"--size {args.size}: choose 1..512")
-    return {"synthetic": cmd_synthetic, "from-kits": cmd_from_kits}[args.command](args)
+    return prepare_main(parser, sub, SPEC, {"synthetic": cmd_synthetic, "from-kits": cmd_from_kits}, argv)
 
 
 if __name__ == "__main__":
