@@ -28,8 +28,9 @@ import h5py
 
 from cosmoflow import convert
 from cosmoflow.fields import SPEC
-from parallel.data.cli import (add_write_args, convert_command, prepare_main, prepare_parser, run_split, split_dirs,
-                               synthetic_command, write_options)
+from cosmoflow.tfrecord import TFRecordError
+from parallel.data.cli import (add_write_args, convert_command, exit_cleanly, prepare_main, prepare_parser, run_split,
+                               split_dirs, synthetic_command, write_options)
 from parallel.data.jobs import Job
 
 
@@ -129,4 +130,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_cleanly(main, (convert.ConvertError, TFRecordError)))

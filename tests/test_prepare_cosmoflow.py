@@ -17,7 +17,7 @@ import pytest
 
 from cosmoflow import prepare, synthetic
 from cosmoflow.fields import SPEC
-from cosmoflow.tfrecord import TFRecordError, crc32c_py, masked_crc, parse_example, read_records
+from cosmoflow.tfrecord import TFRecordError, crc32c, masked_crc, parse_example, read_records
 from parallel.data import BlockDataset, check_files
 
 
@@ -146,7 +146,7 @@ def _example(x: np.ndarray, y: np.ndarray, packed: bool = True) -> bytes:
 
 
 def test_tfrecord_framing_and_example_parsing(tmp_path: Path) -> None:
-    assert crc32c_py(b"123456789") == 0xE3069283  # the CRC-32C check value
+    assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
     x = np.arange(4 * 8 ** 3, dtype=np.int16).reshape(8, 8, 8, 4)
     y = np.array([0.5, -0.25, 1.0, 0.0], dtype=np.float32)
     for packed in (True, False):
@@ -185,6 +185,27 @@ def test_from_tfrecord_converts_the_mlperf_layout(tmp_path: Path, compressed: bo
     (src / "zz_truncated.tfrecord").write_bytes(_tf_record(_example(x, y))[:5000])
     with pytest.raises(TFRecordError, match="zz_truncated.tfrecord"):
         prepare.main(["from-tfrecord", str(src), str(tmp_path / "out"), "--quiet", "--workers", "1"])
+
+
+def test_a_flipped_byte_in_a_16mb_record_is_refused(tmp_path: Path) -> None:
+    """An MLPerf-sized record (128^3 x 4 int16 = 16 MiB) with one byte of its data flipped:
+    the command refuses it, naming the file and the record, and writes nothing."""
+    from train_helpers import REPO, env
+
+    x = np.random.default_rng(3).integers(0, 500, size=(128, 128, 128, 4), dtype=np.int16)
+    raw = bytearray(_tf_record(_example(x, np.zeros(4, np.float32))))
+    assert len(raw) > 16 * 2**20
+    raw[len(raw) // 2] ^= 0xFF  # a voxel in the middle of the record's data
+    src = tmp_path / "tf"
+    src.mkdir()
+    bad = src / "univ_ics_2019-03_a0000000_000.tfrecord"
+    bad.write_bytes(bytes(raw))
+    proc = subprocess.run([sys.executable, "-m", "cosmoflow.prepare", "from-tfrecord", str(src), str(tmp_path / "out"),
+                           "--quiet", "--workers", "1"], capture_output=True, text=True, timeout=120, env=env(),
+                          cwd=REPO)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"{bad}: record 0: data CRC mismatch" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not list((tmp_path / "out").glob("*.h5"))
 
 
 def _universes(src: Path, n: int, side: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:

@@ -77,6 +77,16 @@ def prepare_main(parser: argparse.ArgumentParser, sub: Any, spec: SampleSpec, co
     return commands[args.command](args)
 
 
+def exit_cleanly(main: Callable[[], int], user_errors: tuple[type[BaseException], ...]) -> int:
+    """Run a ``prepare`` command's ``main``; a bad input (one of ``user_errors``, whose
+    message names the file) ends it with that one line and status 2, not a traceback."""
+    try:
+        return main()
+    except user_errors as err:
+        log.error("%s", err)
+        return 2
+
+
 def run_split(fn: Callable[..., int], jobs: Sequence[Job], args: argparse.Namespace, label: str, out: Path,
               spec: SampleSpec, counts: dict[str, int] | None = None, **extra: object) -> JobReport:
     """Run one output directory's jobs (``--workers`` processes per rank, resuming where an
