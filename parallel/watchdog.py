@@ -25,6 +25,11 @@ error), ``os._exit(1)`` elsewhere (torchrun stops the others when one exits non-
 peers' watchdogs stop them under srun or a manual launch). A collective that no peer
 answers raises after ``parallel.timeout_s`` (the process group's timeout), so a hang
 ends in a failure either way. See ``docs/failures.md``.
+
+The job's abort record is JSON (``parallel.failures.Record``). The decisions (which peer
+is dead or silent, whom a failure blames, what is published, which exit code) are pure
+functions in ``parallel.failures``, tested without processes; the ``Watchdog`` gathers
+the observations and carries the decisions out.
 """
 
 from __future__ import annotations
@@ -43,12 +48,10 @@ from typing import Any, NoReturn
 
 import torch.distributed as dist
 
+from parallel.failures import EXIT_CODE, PeerCheck, Record, looks_like_comm, plan_failure, reaction
+
 log = logging.getLogger("parallel")
 
-EXIT_CODE = 1
-COLLECTIVE = "[every rank] "  # marks a record every rank raised alike: only rank 0 reports it
-_COMM_HINTS = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout",
-               "socket", "gloo", "nccl", "peer", "recv", "send")
 
 
 def _process_state(pid: int) -> str | None:
@@ -99,7 +102,8 @@ class Watchdog:
         self._failing = False
         self._thread: threading.Thread | None = None
         self._peers: dict[int, tuple[str, int]] = {}
-        self._beat = (-1, time.monotonic())  # neighbour's last counter and when it changed
+        self._check = PeerCheck(rank, world_size, self.host, self.timeout_s)
+        self._check.beat = (-1, time.monotonic())
         self._store_errors = 0
         self._lock = threading.Lock()  # one store connection, two threads
         self.monitor = launcher == "mpi" if monitor is None else monitor
@@ -187,14 +191,15 @@ class Watchdog:
                           f"(hosted by rank 0 or the launcher, which must have died): {err}")
             if cause is not None and not self._stop.is_set() and not self._failing:
                 self._publish(cause)
-                if cause.startswith(COLLECTIVE):
+                code, message = reaction(cause, self.rank)
+                if message is None:
                     self._failing = True
                     self.note_exit("failed")
                     time.sleep(self.interval_s)  # this rank is raising the same error: let it report
-                    _exit("", int(self._code_of(cause)))
-                self._die(f"rank {self.rank}: stopping: {cause}")
+                    _exit("", code)
+                self._die(message)
 
-    def _poll(self) -> str | None:
+    def _poll(self) -> Record | None:
         """One round: heartbeat, abort record, peers. The cause of a failure, or None."""
         self._store.add(self._key(f"hb/{self.rank}"), 1)
         record = self._abort_record()
@@ -202,10 +207,10 @@ class Watchdog:
             return record
         return self._dead_peer()
 
-    def _abort_record(self) -> str | None:
+    def _abort_record(self) -> Record | None:
         key = self._key("abort")
         if self._store.check([key]):
-            return self._store.get(key).decode()
+            return Record.from_json(self._store.get(key).decode())
         return None
 
     def _peer(self, r: int) -> tuple[str, int] | None:
@@ -217,28 +222,20 @@ class Watchdog:
             self._peers[r] = (host, int(pid))
         return self._peers[r]
 
-    def _dead_peer(self) -> str | None:
+    def _dead_peer(self) -> Record | None:
+        """Observe the peers (who registered, whose process is alive here, the neighbour's
+        heartbeat) and let ``PeerCheck`` decide."""
         for r in range(self.world_size):
-            if r == self.rank:
-                continue
-            peer = self._peer(r)
-            if peer is not None and peer[0] == self.host and not _alive(peer[1]):
-                return f"rank {r} died (process {peer[1]} on {peer[0]} is gone)"
-        nxt = (self.rank + 1) % self.world_size
-        if nxt != self.rank:
-            count = int(self._store.add(self._key(f"hb/{nxt}"), 0))
-            now = time.monotonic()
-            if count != self._beat[0]:
-                self._beat = (count, now)
-            elif now - self._beat[1] > self.timeout_s:
-                peer = self._peer(nxt)
-                where = f" (process {peer[1]} on {peer[0]})" if peer else ""
-                return (f"rank {nxt}{where} sent no heartbeat for {now - self._beat[1]:.0f} s "
-                        f"(parallel.timeout_s={self.timeout_s:g}): it died or hangs")
-        return None
+            if r != self.rank:
+                self._peer(r)
+        count = None
+        if self._check.neighbour != self.rank:
+            count = int(self._store.add(self._key(f"hb/{self._check.neighbour}"), 0))
+        cause = self._check(self._peers, _alive, count, time.monotonic())
+        return Record(cause, rank=self.rank) if cause is not None else None
 
     # -- failing -------------------------------------------------------------------------
-    def diagnose(self, wait_s: float = 0.0) -> str | None:
+    def diagnose(self, wait_s: float = 0.0) -> Record | None:
         """A peer's failure already visible from here (waiting up to ``wait_s`` for one)."""
         deadline = time.monotonic() + wait_s
         while True:
@@ -247,27 +244,23 @@ class Watchdog:
                     cause = self._abort_record() or self._dead_peer()
             except Exception:  # noqa: BLE001
                 host, port = self.address
-                cause = f"the job's store at {host}:{port} is gone (rank 0 or the launcher died)"
+                cause = Record(f"the job's store at {host}:{port} is gone (rank 0 or the launcher died)")
             if cause is not None or time.monotonic() >= deadline:
                 return cause
             time.sleep(min(self.interval_s, 0.2))
 
-    def _publish(self, record: str) -> None:
+    def _publish(self, record: Record) -> None:
+        """Make ``record`` the job's abort record unless another rank's came first."""
         try:
             with self._lock:
-                self._store.compare_set(self._key("abort"), "", record)
+                self._store.compare_set(self._key("abort"), "", record.to_json())
         except Exception:  # noqa: BLE001 - the store may be gone; the exit still happens
             pass
 
     @staticmethod
     def blames_peer(exc: BaseException) -> bool:
         """Whether ``exc`` looks like a broken collective (a peer's failure, not ours)."""
-        return _looks_like_comm(exc)
-
-    @staticmethod
-    def _code_of(record: str) -> int:
-        head = record.removeprefix(COLLECTIVE)
-        return int(head[5:head.index(")")]) if head.startswith("(exit") else EXIT_CODE
+        return looks_like_comm(exc)
 
     def fail(self, exc: BaseException, own_error: bool = False, code: int = EXIT_CODE,
              collective: bool = False) -> NoReturn:
@@ -279,43 +272,26 @@ class Watchdog:
         check), so only rank 0 reports it and the ranks exit with ``code`` by themselves.
         """
         self._failing = True
-        text = f"{type(exc).__name__}: {exc}".strip()
-        if collective:
-            self.note_exit("failed")
-            self._publish(f"{COLLECTIVE}(exit{code}) rank {self.rank} failed: {text.splitlines()[0][:2000]}")
-            if self.rank == 0:
-                log.error("%s", str(exc) if own_error else f"rank {self.rank} failed: {text}")
-            time.sleep(min(2 * self.interval_s, 2.0))
-            _exit("", code)
         cause = None
-        if not own_error:
-            wait = min(self.timeout_s, 10 * self.interval_s) if _looks_like_comm(exc) else 0.0
+        if not own_error and not collective:
+            wait = min(self.timeout_s, 10 * self.interval_s) if looks_like_comm(exc) else 0.0
             cause = self.diagnose(wait)
-        if cause is not None:
-            self.note_exit("stopping")
-            message = f"rank {self.rank}: stopping: {cause} (here: {text.splitlines()[0][:300]})"
-        else:
-            self.note_exit("failed")
-            message = f"rank {self.rank} failed: {text}"
-            self._publish(f"rank {self.rank} failed: {text.splitlines()[0][:2000]}")
-        log.error("%s", message)
+        plan = plan_failure(self.rank, exc, own_error, code, collective, cause)
+        self.note_exit(plan.note)
+        if plan.publish is not None:
+            self._publish(plan.publish)
+        if plan.message is not None:
+            log.error("%s", plan.message)
         # Let the peers' watchdogs read the record before this rank (maybe the store's
         # host) goes away.
         time.sleep(min(2 * self.interval_s, 2.0))
-        _exit(self.launcher, code)
+        _exit(self.launcher if plan.abort else "", plan.code)
 
     def _die(self, message: str) -> NoReturn:
         self._failing = True
         self.note_exit("stopping")
         log.error("%s", message)
         _exit(self.launcher, EXIT_CODE)
-
-
-def _looks_like_comm(exc: BaseException) -> bool:
-    if isinstance(exc, dist.DistError):
-        return True
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(h in text for h in _COMM_HINTS)
 
 
 def _exit(launcher: str, code: int) -> NoReturn:
