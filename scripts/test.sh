@@ -2,10 +2,16 @@
 # Set up (scripts/setup.sh) if needed, then run the test suite on CPU with gloo.
 #
 #   bash scripts/test.sh               # the whole suite (about 10 minutes on 2 cores)
+#   bash scripts/test.sh -m unit       # one tier: unit (under a minute), ranks or launch
+#   bash scripts/test.sh -m "not slow" # leave out the tests that take a minute or more
 #   bash scripts/test.sh -k halo       # extra arguments go to pytest
+#
+# Tiers (tests/conftest.py): unit = pure logic and single-process work on real files;
+# ranks = several gloo ranks of the spawned pool; launch = python -m, torchrun, mpirun,
+# Slurm variables and the scripts.
 set -euo pipefail
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
-    sed -n '2,5p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
     exit 0
 fi
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -1,3 +1,17 @@
+"""Shared fixtures, and the test tiers.
+
+Every test belongs to one tier (a pytest marker; ``scripts/test.sh -m unit`` runs one):
+
+- ``unit``: pure logic and single-process work on real files, no spawned ranks; the
+  whole tier runs in well under a minute.
+- ``ranks``: several gloo ranks of the spawned pool (``tests/harness.py``).
+- ``launch``: real launches (``python -m``, torchrun, mpirun, Slurm variables, scripts).
+
+A module's tier is in ``TIERS``; a test of another tier in that module carries its own
+marker (``@pytest.mark.launch``). ``slow`` marks, besides, the tests that take a minute
+or more (``-m "not slow"`` leaves them out).
+"""
+
 import os
 import sys
 from pathlib import Path
@@ -8,6 +22,59 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import Pools  # noqa: E402
+
+TIER_NAMES = ("unit", "ranks", "launch")
+TIERS = {
+    "test_bad_input": "unit",
+    "test_benchmark": "launch",
+    "test_cluster_placement": "unit",
+    "test_cluster_scripts": "launch",
+    "test_augment": "ranks",
+    "test_data_benchmark": "launch",
+    "test_data_reader": "unit",
+    "test_data_sampler": "unit",
+    "test_data_staging": "ranks",
+    "test_fail_checkpoint": "launch",
+    "test_fail_ranks": "launch",
+    "test_fail_security": "unit",
+    "test_halo": "ranks",
+    "test_launchers": "launch",
+    "test_layers": "ranks",
+    "test_models": "unit",
+    "test_overlap": "ranks",
+    "test_parallelize": "ranks",
+    "test_partition": "unit",
+    "test_plan": "unit",
+    "test_plan_auto": "launch",
+    "test_predict": "launch",
+    "test_prepare_cosmoflow": "unit",
+    "test_prepare_unet3d": "unit",
+    "test_resume_grid": "launch",
+    "test_train_config": "unit",
+    "test_train_equivalence": "launch",
+    "test_train_resume": "launch",
+    "test_train_state": "unit",
+    "test_watchdog": "unit",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Give every test its module's tier unless it carries one; refuse a module without one."""
+    missing = set()
+    for item in items:
+        own = [m.name for m in item.iter_markers() if m.name in TIER_NAMES]
+        if len(set(own)) > 1:
+            raise pytest.UsageError(f"{item.nodeid} carries tiers {own}: one at most")
+        if own:
+            continue
+        module = Path(str(item.fspath)).stem
+        if module not in TIERS:
+            missing.add(module)
+            continue
+        item.add_marker(getattr(pytest.mark, TIERS[module]))
+    if missing:
+        raise pytest.UsageError(f"test module(s) {', '.join(sorted(missing))} have no tier: add them to TIERS in "
+                                f"tests/conftest.py ({', '.join(TIER_NAMES)})")
 
 
 @pytest.fixture(scope="session")

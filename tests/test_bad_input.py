@@ -263,6 +263,7 @@ def test_config_values_and_types():
     validate_config(job)
 
 
+@pytest.mark.launch
 def test_cli_reports_bad_input_cleanly(good, tmp_path):
     """Real launches: an unknown key (added with '+'), and a missing field under torchrun (2 ranks)."""
     proc = subprocess.run([sys.executable, "-m", "cosmoflow.train", "--config-name", "quickstart", "+model.bar=2"],

@@ -91,6 +91,7 @@ def test_kill_during_checkpoint_write_then_resume(data, tmp_path):
     assert meta["family"] == "cosmoflow" and meta["model"]["conv_filters"] == 4 and meta["volume"] == [16, 16, 16]
 
 
+@pytest.mark.unit
 def test_keep_last_k_and_fall_back_to_an_older_readable_one(tmp_path):
     grid = Grid((1, 1, 1), 1, 0)
     model = torch.nn.Linear(3, 2)
@@ -114,6 +115,7 @@ def test_keep_last_k_and_fall_back_to_an_older_readable_one(tmp_path):
         checkpoint.load_latest(path)
 
 
+@pytest.mark.unit
 def test_checkpoint_meta_mismatch_names_every_field():
     ckpt = {"meta": {"family": "cosmoflow", "volume": [16, 16, 16],
                      "model": {"conv_filters": 4, "n_conv_blocks": 2, "dropout": 0.5}}}

@@ -135,6 +135,7 @@ def _split_loss_case(grid, logits, labels):
     return loss.item(), dice_per_sample(block.detach(), lab, grid), block.grad
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("spatial", [(2, 1, 1), (1, 2, 2)], ids=["D2", "H2W2"])
 def test_dice_ce_split_equals_serial(pools, spatial):
     from parallel.grid import Grid

@@ -28,6 +28,7 @@ def _run(module: str, nproc: int, args: list[str], launcher: str = "torchrun") -
     assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-4000:]}"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("shape, window", [((20, 24, 28), 16), ((20, 12, 9), 16), ((16, 16, 16), 16)])
 def test_sliding_window_of_a_pointwise_model_is_the_whole_volume_softmax(shape, window):
     # A 1x1x1 conv sees no context, so every window gives each voxel the same logits: the

@@ -187,6 +187,7 @@ def test_from_tfrecord_converts_the_mlperf_layout(tmp_path: Path, compressed: bo
         prepare.main(["from-tfrecord", str(src), str(tmp_path / "out"), "--quiet", "--workers", "1"])
 
 
+@pytest.mark.launch
 def test_a_flipped_byte_in_a_16mb_record_is_refused(tmp_path: Path) -> None:
     """An MLPerf-sized record (128^3 x 4 int16 = 16 MiB) with one byte of its data flipped:
     the command refuses it, naming the file and the record, and writes nothing."""
@@ -287,6 +288,7 @@ def test_check_names_every_bad_file_with_its_reason(tmp_path: Path, capsys) -> N
     assert "'volume' is missing" in lines[str(train / "sample_000005.h5")]
 
 
+@pytest.mark.launch
 def test_synthetic_under_mpirun_shares_the_files(tmp_path: Path) -> None:
     assert shutil.which("mpirun"), "mpirun not found: install the 'mpi' extra (pip install -e .[mpi])"
     out = subprocess.run(["mpirun", "-n", "2", sys.executable, "-m", "cosmoflow.prepare", "synthetic",

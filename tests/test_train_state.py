@@ -69,6 +69,7 @@ def test_a_checkpoint_of_the_earlier_trainer_loads_into_the_state():
         _state(ckpt).load_state_dict(other, "x.pt")
 
 
+@pytest.mark.launch
 def test_resuming_an_earlier_checkpoint_reaches_the_earlier_weights(tmp_path: Path):
     data = prepare("cosmoflow", tmp_path / "data", 8, 8, 4)
     run = tmp_path / "run"
