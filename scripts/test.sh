@@ -3,7 +3,7 @@
 #
 #   bash scripts/test.sh               # the whole suite (about 10 minutes on 2 cores)
 #   bash scripts/test.sh -m unit       # one tier: unit (under a minute), ranks or launch
-#   bash scripts/test.sh -m "not slow" # leave out the tests that take a minute or more
+#   bash scripts/test.sh -m "not slow" # leave out the longest launches (about half the time)
 #   bash scripts/test.sh -k halo       # extra arguments go to pytest
 #
 # Tiers (tests/conftest.py): unit = pure logic and single-process work on real files;

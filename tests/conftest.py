@@ -8,8 +8,8 @@ Every test belongs to one tier (a pytest marker; ``scripts/test.sh -m unit`` run
 - ``launch``: real launches (``python -m``, torchrun, mpirun, Slurm variables, scripts).
 
 A module's tier is in ``TIERS``; a test of another tier in that module carries its own
-marker (``@pytest.mark.launch``). ``slow`` marks, besides, the tests that take a minute
-or more (``-m "not slow"`` leaves them out).
+marker (``@pytest.mark.launch``). ``slow`` marks, besides, the longest launches (``SLOW``:
+40 s or more each on a loaded 2-core machine); ``-m "not slow"`` leaves them out.
 """
 
 import os
@@ -57,11 +57,24 @@ TIERS = {
     "test_watchdog": "unit",
 }
 
+SLOW = {
+    "test_cluster_scripts.py::test_documented_weak_scaling_submission",
+    "test_fail_checkpoint.py::test_kill_during_checkpoint_write_then_resume",
+    "test_fail_ranks.py::test_kill_one_of_four_ranks_stops_the_job",
+    "test_launchers.py::test_spatial_1x2x2_equals_plain_python_under_torchrun_mpirun_and_slurm",
+    "test_predict.py::test_cosmoflow_predict_rows_equal_at_every_grid",
+    "test_resume_grid.py::test_stop_at_one_grid_resume_at_others",
+    "test_train_equivalence.py::test_data_and_spatial_axes_interchange",
+    "test_train_equivalence.py::test_spatial_splits_equal_serial",
+}
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Give every test its module's tier unless it carries one; refuse a module without one."""
     missing = set()
     for item in items:
+        if f"{Path(str(item.fspath)).name}::{item.originalname}" in SLOW:
+            item.add_marker(pytest.mark.slow)
         own = [m.name for m in item.iter_markers() if m.name in TIER_NAMES]
         if len(set(own)) > 1:
             raise pytest.UsageError(f"{item.nodeid} carries tiers {own}: one at most")

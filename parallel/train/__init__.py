@@ -13,8 +13,19 @@ process: start, watchdog, failure, exit codes), ``loop`` (the trainer's run), ``
 (the Hydra entry point).
 """
 
+from typing import Any
+
 from parallel.train.config import JobConfig
 from parallel.train.family import Family
-from parallel.train.lifecycle import train
 
 __all__ = ["Family", "JobConfig", "train"]
+
+
+def __getattr__(name: str) -> Any:
+    # ``train`` pulls in the whole loop (MLPerf logging, TensorBoard): loaded on first use,
+    # so that importing a family or the planner stays light.
+    if name == "train":
+        from parallel.train.lifecycle import train
+
+        return train
+    raise AttributeError(f"module 'parallel.train' has no attribute {name!r}")
