@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence
 
 import torch
-import torch.distributed as dist
 
+from parallel import comm
 from parallel.partition import block_bounds, window_segments
 
 
@@ -106,18 +106,18 @@ def _communicate(x: torch.Tensor, dim: int,
                  outgoing: Sequence[tuple[int, Sequence[tuple[int, int]]]],
                  incoming: Sequence[tuple[int, Sequence[tuple[int, int]]]]) -> list[tuple[torch.Tensor, Sequence[tuple[int, int]]]]:
     """Send the ``(start, length)`` pieces of ``x`` to each outgoing peer (one message
-    per peer) and receive one message per incoming peer; returns the received buffers."""
-    ops, received = [], []
+    per peer) and receive one message per incoming peer; returns the received buffers.
+
+    One message per peer and direction, in one batched call that every rank of the line
+    makes (each computes the same plans), all waited for: see ``comm.exchange`` for why
+    this order is safe under NCCL, periodic lines of two included.
+    """
+    sends, received = [], []
     for peer, pieces in outgoing:
-        buf = torch.cat([x.narrow(dim, s, n) for s, n in pieces], dim=dim).contiguous()
-        ops.append(dist.P2POp(dist.isend, buf, peer))
+        sends.append((peer, torch.cat([x.narrow(dim, s, n) for s, n in pieces], dim=dim).contiguous()))
     for peer, pieces in incoming:
-        buf = x.new_empty(_resized(x, dim, sum(n for _, n in pieces)))
-        ops.append(dist.P2POp(dist.irecv, buf, peer))
-        received.append((buf, pieces))
-    if ops:
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
+        received.append((x.new_empty(_resized(x, dim, sum(n for _, n in pieces))), pieces))
+    comm.exchange(sends, [(peer, buf) for (peer, _), (buf, _) in zip(incoming, received)])
     return received
 
 
