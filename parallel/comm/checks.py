@@ -79,8 +79,12 @@ def caller_name() -> str:
 
 
 def _dense(t: torch.Tensor) -> bool:
-    # torch's own rule: contiguous in the tensor's memory format (channels_last parameters pass)
-    return t.is_contiguous() or t.is_contiguous(memory_format=t.suggest_memory_format())
+    # torch's own rule: contiguous in the tensor's memory format (channels-last parameters pass)
+    if t.is_contiguous():
+        return True
+    if t.dim() == 4:
+        return t.is_contiguous(memory_format=torch.channels_last)
+    return t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d)
 
 
 def check_tensor(t: Any, device: torch.device | None, backend: str, caller: str | None = None,
