@@ -157,7 +157,8 @@ def init(spatial: Sequence[int] | Callable[[], Sequence[int]] = (1, 1, 1), *, ba
     float32 rounding).
     """
     # Here, not at the top: `python -m parallel.placement` must not find itself imported already.
-    from parallel.placement import Placement, gather_facts, local_position, log_placement, plan_devices
+    from parallel.placement import (Placement, PlacementError, gather_facts, local_position, log_placement,
+                                    plan_devices)
 
     global _DEPRECATED_STORE_ADDRESS
     launcher = "external" if dist.is_initialized() else detect_launcher()
@@ -202,11 +203,16 @@ def init(spatial: Sequence[int] | Callable[[], Sequence[int]] = (1, 1, 1), *, ba
         local_rank, _ = local_position(hosts, rank)
         device = torch.device("cpu")
         if nccl:
-            index = plan_devices(hosts, gpus)[rank]  # the same answer (or error) on every rank
-            if index is None:
-                raise ValueError(f"backend {backend} needs a GPU per rank, and rank {rank} on {hosts[rank]} sees none")
-            device = torch.device("cuda", index)
+            picks = plan_devices(hosts, gpus)  # the same answer (or error) on every rank
+            blind = [r for r, index in enumerate(picks) if index is None]
+            if blind:
+                raise PlacementError(f"backend {backend} needs a GPU for every rank; ranks {blind} (on "
+                                     f"{', '.join(sorted({hosts[r] for r in blind}))}) see none")
+            device = torch.device("cuda", picks[rank])
             torch.cuda.set_device(device)
+            # The first NCCL operation, with every rank: NCCL starts here (an error surfaces at
+            # start-up), and batched point-to-point on the world may later involve only some ranks.
+            comm.barrier(None)
         if callable(spatial):
             spatial = _decided_on_rank0(spatial, cpu_group)
         grid = Grid.from_world(spatial, device=device, local_rank=local_rank, launcher=launcher)

@@ -212,7 +212,7 @@ def plan_devices(hosts: Sequence[str], gpus: Sequence[Sequence[str]]) -> list[in
         try:
             picks.append(pick_device(local_rank, local_size, len(gpus[rank])))
         except PlacementError as err:
-            raise PlacementError(f"node {host} (ranks {_ranges(_on(hosts, host))}): {err}") from None
+            raise PlacementError(f"node {host} ({_ranges(_on(hosts, host))}): {err}") from None
     check_gpus(hosts, [None if i is None else gpus[r][i] for r, i in enumerate(picks)])
     return picks
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -57,8 +58,8 @@ def _check(what: str, lhs: float, rhs: float, tol: float = 1e-12) -> float:
     return abs(lhs - rhs)
 
 
-def _random(shape, seed: int) -> torch.Tensor:
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+def _random(shape, seed: int, device: torch.device = torch.device("cpu")) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(device)
 
 
 def adjoints(grid: Grid) -> dict[str, float]:
@@ -73,8 +74,8 @@ def adjoints(grid: Grid) -> dict[str, float]:
     world, spatial = grid.world_group, grid.spatial_group
 
     # all_reduce_sum over the spatial group: y_r = sum_s x_s; the adjoint sums the same way.
-    x = _random((3, 4), 10 + grid.rank).requires_grad_(True)
-    y = _random((3, 4), 50 + grid.rank)
+    x = _random((3, 4), 10 + grid.rank, grid.device).requires_grad_(True)
+    y = _random((3, 4), 50 + grid.rank, grid.device)
     fx = parallel.all_reduce_sum(x, spatial)
     (g,) = torch.autograd.grad(fx, x, y)
     out["all_reduce_sum"] = _check("all_reduce_sum", *_dot_over(world, (fx, y), (x, g)))
@@ -82,24 +83,24 @@ def adjoints(grid: Grid) -> dict[str, float]:
     # gather: blocks -> the whole tensor on every rank; the adjoint sums every rank's
     # cotangent over the block's region.
     full_shape = (2 * grid.data_size, 2, 7, 5, 6)
-    x = parallel.scatter(_random(full_shape, 7), grid).clone().requires_grad_(True)
-    y = _random(full_shape, 90 + grid.rank)
+    x = parallel.scatter(_random(full_shape, 7, grid.device), grid).clone().requires_grad_(True)
+    y = _random(full_shape, 90 + grid.rank, grid.device)
     fx = parallel.gather(x, grid)
     (g,) = torch.autograd.grad(fx, x, y)
     out["gather"] = _check("gather", *_dot_over(world, (fx, y), (x, g)))
 
     # scatter: a copy of the global tensor on each rank -> this rank's part; the adjoint
     # puts the cotangent back in place, zeros elsewhere (no communication).
-    x = _random(full_shape, 3 + grid.rank).requires_grad_(True)
+    x = _random(full_shape, 3 + grid.rank, grid.device).requires_grad_(True)
     fx = parallel.scatter(x, grid)
-    y = _random(fx.shape, 30 + grid.rank)
+    y = _random(fx.shape, 30 + grid.rank, grid.device)
     (g,) = torch.autograd.grad(fx, x, y)
     out["scatter"] = _check("scatter", *_dot_over(world, (fx, y), (x, g)))
 
     # spatial_sum: partial sums -> one replicated value, counted once; its backward hands
     # every rank the same cotangent (the identity).
-    x = _random((2, 3), 60 + grid.rank).requires_grad_(True)
-    y = _random((2, 3), 5 + grid.data_rank)  # replicated over the spatial group
+    x = _random((2, 3), 60 + grid.rank, grid.device).requires_grad_(True)
+    y = _random((2, 3), 5 + grid.data_rank, grid.device)  # replicated over the spatial group
     fx = parallel.spatial_sum(x, grid)
     (g,) = torch.autograd.grad(fx, x, y)
     lhs = _dot_over(grid.data_group, (fx, y))[0] if grid.data_size > 1 else float((fx * y).sum())
@@ -108,8 +109,8 @@ def adjoints(grid: Grid) -> dict[str, float]:
 
     # replicated_grad: a value computed identically on every spatial rank; the gradients
     # of its S copies, summed by the gradient sync, count it once: sum_r g_r == y.
-    x = _random((4,), 8 + grid.data_rank).requires_grad_(True)
-    y = _random((4,), 9 + grid.data_rank)
+    x = _random((4,), 8 + grid.data_rank, grid.device).requires_grad_(True)
+    y = _random((4,), 9 + grid.data_rank, grid.device)
     (g,) = torch.autograd.grad(parallel.replicated_grad(x, grid), x, y)
     summed = comm.all_reduce_(g.detach().clone(), spatial) if grid.spatial_size > 1 else g
     out["replicated_grad"] = _check("replicated_grad", float((x * y).sum()), float((x.detach() * summed).sum()))
@@ -123,8 +124,36 @@ def adjoints(grid: Grid) -> dict[str, float]:
             n = volume[axis]
             windows = [(a - 2, b + 1) for a, b in block_bounds(n, parts)]
             steps.append((axis + 2, make_plan(n, grid.line_ranks(axis + 2), grid.coords[axis], windows)))
-    x = parallel.scatter(_random((grid.data_size, 2, *volume), 1), grid)
+    x = parallel.scatter(_random((grid.data_size, 2, *volume), 1, grid.device), grid)
     fx = fetch_all(x, steps)
-    y = _random(fx.shape, 70 + grid.rank)
+    y = _random(fx.shape, 70 + grid.rank, grid.device)
     out["halo chain"] = _check("fetch_all/reduce_all", *_dot_over(world, (fx, y), (x, reduce_all(y, steps))))
     return out
+
+
+def late_barrier(rank: int, world: int, port: int, results: Any) -> None:
+    """A world of its own (not the shared pool: a barrier left waiting would put the pool
+    out of step): rank 0 waits at a barrier with a short timeout while rank 1 comes late."""
+    import os
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=30))
+    try:
+        if rank == 0:
+            try:
+                comm.barrier(None, timeout_s=0.5)
+                results.put((rank, "no timeout"))
+            except TimeoutError as err:
+                results.put((rank, str(err)))
+        else:
+            time.sleep(2.0)
+            comm.barrier(None, timeout_s=20)  # completes rank 0's timed-out barrier, still posted
+            results.put((rank, "late"))
+        comm.barrier(None, timeout_s=20)  # everyone meets here: then the group goes down cleanly
+    finally:
+        dist.destroy_process_group()

@@ -176,7 +176,7 @@ def exchange(sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[in
     sends and receives inside it cannot deadlock, even when the previous and next
     neighbours are the same rank (a periodic line of two). The first operation on a group
     must involve all its ranks (NCCL's rule for batched point-to-point): ``parallel.init``
-    runs a world-wide collective before any layer exchanges halos.
+    runs a barrier over the world under NCCL before any layer exchanges halos.
     """
     if not sends and not recvs:
         return

@@ -10,9 +10,10 @@ Two modes:
 
 The ranks of a node (as the placement gathered at start-up found them, or ``rank //
 local_size`` when a caller says how many consecutive ranks a node holds) share the work
-round-robin and wait for each other. The destination gets a manifest listing every source file with its sample count and the source
-directory, so that ``BlockDataset(dest)`` keeps the global sample numbering and reads
-anything not staged (e.g. samples a partial shuffle brings in) from the source.
+round-robin and wait for each other. The destination gets a manifest listing every
+source file with its sample count and the source directory, so that
+``BlockDataset(dest)`` keeps the global sample numbering and reads anything not staged
+(e.g. samples a partial shuffle brings in) from the source.
 Copies go to a temporary name and are renamed: an interrupted staging resumes, and
 files already present (same size) are not copied again.
 """

@@ -76,7 +76,7 @@ def train(cfg: JobConfig, family: Family) -> dict[str, Any]:
             from parallel.train.autosplit import auto_spatial
 
             spatial = lambda: auto_spatial(cfg, family)  # noqa: E731
-        grid = parallel.init(spatial, backend=cfg.parallel.backend, timeout_s=cfg.parallel.timeout_s)
+        grid = parallel.init(spatial, backend=cfg.parallel.backend, timeout_s=cfg.parallel.timeout_s, tf32=cfg.train.tf32)
         if auto:
             cfg.parallel.spatial = list(grid.spatial)
             log.info("parallel.spatial=auto chose %s for %d ranks (parallel.plan)", "x".join(map(str, grid.spatial)),
