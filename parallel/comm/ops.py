@@ -91,8 +91,9 @@ def barrier(group: Any = None, *, timeout_s: float | None = None, caller: str | 
     """Wait until every rank of ``group`` arrives; with ``timeout_s``, raise ``TimeoutError``
     (naming the caller and the wait) if they do not all arrive in time.
 
-    Under NCCL the barrier runs on this rank's GPU and waits for it, so a rank past the
-    barrier has no communication of its own left on the device either.
+    Under NCCL the barrier is a tiny collective on this rank's GPU that the CPU waits for
+    (work of other groups or streams is not covered: ``parallel.destroy`` synchronises the
+    device first).
     """
     size = group_size(group)
     if size == 1:
