@@ -248,7 +248,7 @@ def _with_summary(r: Result) -> Result:
     if s and r.status == "pass":
         mib = max(s.get("peak_memory_bytes_per_rank") or [0]) / 2**20
         r.notes = (f"{s.get('steps')} steps, {s.get('samples_per_s', 0):.2f} samples/s, "
-                   f"peak allocated {mib:.0f} MiB per rank")
+                   f"peak memory {mib:.0f} MiB per rank (summary.json)")
     return r
 
 
