@@ -25,9 +25,9 @@ import logging
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 import parallel
+from parallel import comm
 from cosmoflow.family import FAMILY
 from parallel.data import BlockDataset, GlobalShuffleSampler, make_loader
 from parallel.train import checkpoint
@@ -90,15 +90,8 @@ def _gather_rows(rows: torch.Tensor, grid: parallel.Grid) -> torch.Tensor:
     """Every data group's rows on rank 0 (spatial ranks hold the same rows: take one each)."""
     if grid.world_size == 1:
         return rows
-    n = torch.tensor([rows.shape[0]], dtype=torch.int64)
-    counts = [torch.zeros_like(n) for _ in range(grid.world_size)]
-    dist.all_gather(counts, n, group=grid.world_group)
-    most = int(max(c.item() for c in counts))
-    padded = torch.zeros(most, rows.shape[1], dtype=rows.dtype)
-    padded[: rows.shape[0]] = rows
-    out = [torch.zeros_like(padded) for _ in range(grid.world_size)]
-    dist.all_gather(out, padded, group=grid.world_group)
-    keep = [out[r][: int(counts[r].item())] for r in range(0, grid.world_size, grid.spatial_size)]
+    parts = comm.all_gather_varlen(rows.to(comm.group_device(grid.world_group)), grid.world_group)
+    keep = [parts[r].cpu() for r in range(0, grid.world_size, grid.spatial_size)]
     merged = torch.cat(keep)
     return merged[merged[:, 0].argsort()]
 

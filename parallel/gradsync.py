@@ -20,8 +20,9 @@ import logging
 from typing import Any, Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from parallel import comm
 
 log = logging.getLogger("parallel")
 
@@ -124,7 +125,7 @@ class GradSync:
         in_place = self._in_place(i)
         # Gradients replaced since the forward (set by hand, or no prepare()): a packed copy.
         flat = self.flats[i] if in_place else torch.cat([p.grad.reshape(-1) for p in bucket])  # type: ignore[union-attr]
-        work = dist.all_reduce(flat, group=self.group, async_op=True)  # type: ignore[arg-type]
+        work = comm.all_reduce_async(flat, self.group)
         self.works.append((work, flat, bucket, in_place))
 
     def _finish(self) -> None:

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 from parallel.partition import DIM_NAMES, SplitError, block_bounds
+
+if TYPE_CHECKING:  # not at run time: `python -m parallel.placement` must not import itself first
+    from parallel.placement import Placement
 
 
 def _as_spatial(spatial: Sequence[int]) -> tuple[int, int, int]:
@@ -46,6 +49,13 @@ class Grid:
     world_group: Any = None
     grad_group: Any = None
     launcher: str = "single"
+    # Facts gathered once at start-up (``parallel.init``), so nothing later guesses them
+    # from launcher variables: the node of every rank, the rendezvous store (the
+    # watchdog's), and a CPU (gloo) group over the world for host-side exchanges.
+    placement: Placement | None = None
+    store_address: tuple[str, int] | None = None
+    cpu_group: Any = None
+    backend: str = "gloo"
 
     def __post_init__(self) -> None:
         self.spatial = _as_spatial(self.spatial)
@@ -75,6 +85,21 @@ class Grid:
     @property
     def spatial_rank(self) -> int:
         return self.rank % self.spatial_size
+
+    @property
+    def local_size(self) -> int:
+        """Ranks on this rank's node (without a placement: one node holds every rank)."""
+        return self.placement.local_size(self.rank) if self.placement is not None else self.world_size
+
+    @property
+    def node_count(self) -> int:
+        """Nodes of the job (without a placement: one)."""
+        return self.placement.node_count if self.placement is not None else 1
+
+    @property
+    def ranks_per_node(self) -> int:
+        """The most ranks any node holds (without a placement: the world)."""
+        return self.placement.max_ranks_per_node if self.placement is not None else self.world_size
 
     @property
     def coords(self) -> tuple[int, int, int]:

@@ -12,20 +12,24 @@ added there. The same plan run the other way (``reduce``) sums overlapping parti
 outputs into their owners, which is what a transposed convolution needs.
 
 ``fetch_all``/``reduce_all`` run several dims' plans in a row without autograd, and
-``in_background`` runs such a chain on a helper thread, so a layer can compute what needs
-no halo while the messages travel (``parallel.layers.conv``).
+``in_background`` starts such a chain (a helper thread on CPUs, a side stream on GPUs),
+so a layer can compute what needs no halo while the messages travel
+(``parallel.layers.overlap``).
+
+Messages go through ``parallel.comm.exchange``: one batched call per dim, one message
+per peer and direction, every request waited for.
 """
 
 from __future__ import annotations
 
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence
 
 import torch
-import torch.distributed as dist
 
+from parallel import comm
 from parallel.partition import block_bounds, window_segments
 
 
@@ -106,18 +110,18 @@ def _communicate(x: torch.Tensor, dim: int,
                  outgoing: Sequence[tuple[int, Sequence[tuple[int, int]]]],
                  incoming: Sequence[tuple[int, Sequence[tuple[int, int]]]]) -> list[tuple[torch.Tensor, Sequence[tuple[int, int]]]]:
     """Send the ``(start, length)`` pieces of ``x`` to each outgoing peer (one message
-    per peer) and receive one message per incoming peer; returns the received buffers."""
-    ops, received = [], []
+    per peer) and receive one message per incoming peer; returns the received buffers.
+
+    One message per peer and direction, in one batched call that every rank of the line
+    makes (each computes the same plans), all waited for: see ``comm.exchange`` for why
+    this order is safe under NCCL, periodic lines of two included.
+    """
+    sends, received = [], []
     for peer, pieces in outgoing:
-        buf = torch.cat([x.narrow(dim, s, n) for s, n in pieces], dim=dim).contiguous()
-        ops.append(dist.P2POp(dist.isend, buf, peer))
+        sends.append((peer, torch.cat([x.narrow(dim, s, n) for s, n in pieces], dim=dim).contiguous()))
     for peer, pieces in incoming:
-        buf = x.new_empty(_resized(x, dim, sum(n for _, n in pieces)))
-        ops.append(dist.P2POp(dist.irecv, buf, peer))
-        received.append((buf, pieces))
-    if ops:
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
+        received.append((x.new_empty(_resized(x, dim, sum(n for _, n in pieces))), pieces))
+    comm.exchange(sends, [(peer, buf) for (peer, _), (buf, _) in zip(incoming, received)])
     return received
 
 
@@ -205,6 +209,7 @@ def reduce_all(y: torch.Tensor, steps: Sequence[tuple[int, ExchangePlan]]) -> to
 
 
 _executor: ThreadPoolExecutor | None = None
+_side_streams: dict[int, Any] = {}  # one communication stream per GPU, made on first use
 
 
 def _forget_executor() -> None:  # a forked child (a DataLoader worker) has no helper thread
@@ -215,12 +220,60 @@ def _forget_executor() -> None:  # a forked child (a DataLoader worker) has no h
 os.register_at_fork(after_in_child=_forget_executor)
 
 
-def in_background(fn: Callable[..., torch.Tensor], *args: Any) -> "Future[torch.Tensor]":
-    """Run ``fn(*args)`` on the halo thread (one per process, so exchanges keep their order).
+class _Done:
+    """A chain that already ran (devices other than the CPU and CUDA)."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+    def result(self) -> torch.Tensor:
+        return self.value
+
+
+class _OnSideStream:
+    """A chain queued on a CUDA side stream; ``result`` makes the caller's stream wait for it."""
+
+    def __init__(self, value: torch.Tensor, side: Any, main: Any) -> None:
+        self.value, self.side, self.main = value, side, main
+
+    def result(self) -> torch.Tensor:
+        self.main.wait_stream(self.side)
+        # Made on the side stream, used on the caller's: its memory must not be reused
+        # before the caller's stream is done with it.
+        self.value.record_stream(self.main)
+        return self.value
+
+
+def in_background(fn: Callable[..., torch.Tensor], *args: Any) -> Any:
+    """Start ``fn(*args)`` (an exchange chain such as ``fetch_all``) so that the caller can
+    compute meanwhile; returns an object whose ``result()`` waits for it.
+
+    CPU tensors (gloo): on the halo thread (one per process, so exchanges keep their
+    order; gloo's calls block the thread that makes them). CUDA tensors (NCCL): on this
+    thread, queued on a dedicated CUDA stream that first waits for the caller's stream:
+    NCCL's calls do not block the CPU, so no thread is needed, and the packing and
+    unpacking copies and the messages run beside the caller's kernels instead of behind
+    them on one stream; ``result()`` makes the caller's stream wait and records the
+    window for it (``record_stream``). Other devices run the chain at once.
 
     The caller must wait for the result before it starts any other exchange: messages
     between two ranks are matched in the order they are posted.
     """
+    x = next(a for a in args if isinstance(a, torch.Tensor))
+    if x.device.type == "cuda":
+        main = torch.cuda.current_stream(x.device)
+        side = _side_streams.get(x.device.index)
+        if side is None:
+            side = _side_streams[x.device.index] = torch.cuda.Stream(x.device)
+        side.wait_stream(main)  # the inputs are complete on the caller's stream
+        with torch.cuda.stream(side):
+            value = fn(*args)
+        for a in args:  # made on the caller's stream, read on the side stream
+            if isinstance(a, torch.Tensor):
+                a.record_stream(side)
+        return _OnSideStream(value, side, main)
+    if x.device.type != "cpu":
+        return _Done(fn(*args))
     global _executor
     if _executor is None:
         threads = torch.get_num_threads()

@@ -11,7 +11,9 @@ Recognised, in this order:
   ``SLURM_JOB_ID`` (``MASTER_PORT`` wins);
 - plain ``python``: a world of one.
 
-NCCL when CUDA is present, gloo otherwise; one device per local rank.
+NCCL when CUDA is present, gloo otherwise. Every rank's node (and, under NCCL, the GPUs
+it sees) is gathered once over a CPU group; each rank gets its own GPU, or a clear error
+when a node has more ranks than GPUs; the placement stays on the grid.
 """
 
 from __future__ import annotations
@@ -21,19 +23,19 @@ import os
 import re
 import socket
 from datetime import timedelta
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from parallel import comm
 from parallel.grid import Grid
 
 log = logging.getLogger("parallel")
 
 _MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_SIZE")
 _MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
-_LOCAL_RANK_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
-_STORE_ADDRESS: tuple[str, int] | None = None  # set by init: where the rendezvous store listens
+NCCL_MARGIN_S = 60.0  # at least this much longer than parallel.timeout_s before NCCL gives up
 
 
 def free_port(host: str = "") -> int:
@@ -67,14 +69,13 @@ def first_slurm_host(nodelist: str) -> str:
     return prefix + first
 
 
-def _mpi_rendezvous() -> tuple[int, int, int, str]:
-    """Rank, size, local rank and ``tcp://host:port`` from MPI (no pickle: raw bytes)."""
+def _mpi_rendezvous() -> tuple[int, int, str]:
+    """Rank, size and ``tcp://host:port`` from MPI (no pickle: raw bytes)."""
     import numpy as np
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
-    local_rank = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
     buf = np.zeros(256, dtype=np.uint8)
     if rank == 0:
         host = os.environ.get("MASTER_ADDR") or socket.gethostname()
@@ -83,13 +84,37 @@ def _mpi_rendezvous() -> tuple[int, int, int, str]:
         buf[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
     comm.Bcast(buf, root=0)
     address = bytes(buf[buf != 0]).decode()
-    return rank, size, local_rank, f"tcp://{address}"
+    return rank, size, f"tcp://{address}"
 
 
-def store_address() -> tuple[str, int] | None:
-    """``(host, port)`` of the job's rendezvous TCPStore (None for a world of one or an
-    externally initialised group); the watchdog opens its own connection to it."""
-    return _STORE_ADDRESS
+def process_group_timeout(backend: str, timeout_s: float) -> float:
+    """Seconds the process group lets a collective wait, for ``parallel.timeout_s``.
+
+    Gloo raises in the waiting call after the timeout, and the caller reports it: it
+    keeps ``timeout_s``. Under NCCL a timed-out collective is caught by PyTorch's NCCL
+    watchdog thread, which aborts the process with its own message
+    (``TORCH_NCCL_ASYNC_ERROR_HANDLING``'s default); the project's watchdog declares a
+    silent peer after ``timeout_s`` and stops every rank with the project's message, so
+    NCCL gets a margin above it (``NCCL_MARGIN_S``, or a tenth of ``timeout_s`` if more).
+    """
+    if timeout_s <= 0:
+        raise ValueError(f"parallel.timeout_s must be positive, got {timeout_s}")
+    if "nccl" in backend:
+        return timeout_s + max(NCCL_MARGIN_S, 0.1 * timeout_s)
+    return timeout_s
+
+
+def configure_cuda(tf32: bool = False, cudnn_benchmark: bool = True) -> None:
+    """Set the process-wide CUDA maths: TF32 for float32 convolutions and matmuls (off by
+    default: split and serial convolutions then round alike, about 1e-6 relative in
+    float32, instead of about 1e-3 with TF32) and cuDNN's autotuner (on: fixed shapes
+    pick the fastest kernel once; the choice may differ between runs, the numbers only
+    by float32 rounding). Harmless without CUDA."""
+    # The legacy flags on purpose: torch >= 2.9 refuses to read them after a mix with the
+    # new ``fp32_precision`` API, and the flags keep every reader consistent.
+    torch.backends.cudnn.allow_tf32 = bool(tf32)
+    torch.backends.cuda.matmul.allow_tf32 = bool(tf32)
+    torch.backends.cudnn.benchmark = bool(cudnn_benchmark)
 
 
 def _env_int(names: Sequence[str], default: int = 0) -> int:
@@ -105,40 +130,41 @@ def env_rank() -> int:
     return _env_int(("RANK", *_MPI_RANK_VARS, "SLURM_PROCID"))
 
 
-def init(spatial: Sequence[int] | Callable[[], Sequence[int]] = (1, 1, 1), *, backend: str | None = None,
-         timeout_s: float = 600.0) -> Grid:
+def init(spatial: Sequence[int] | Callable[[Any], Sequence[int]] = (1, 1, 1), *, backend: str | None = None,
+         timeout_s: float = 600.0, tf32: bool = False, cudnn_benchmark: bool = True) -> Grid:
     """Start torch.distributed for this process and return its ``Grid``.
 
-    ``spatial`` may be a function (``parallel.spatial=auto``): rank 0 calls it once the
-    process group runs and every rank uses its answer.
-
     ``spatial`` splits each sample's D, H and W; the data axis takes
-    ``world / (sd * sh * sw)`` ranks. ``timeout_s`` bounds every collective, so a dead
-    peer ends the job instead of hanging it.
-    """
-    global _STORE_ADDRESS
-    launcher = "external" if dist.is_initialized() else detect_launcher()
-    _STORE_ADDRESS = None
-    local_rank = _env_int(_LOCAL_RANK_VARS)
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
-    timeout = timedelta(seconds=timeout_s)
+    ``world / (sd * sh * sw)`` ranks. It may be a function (``parallel.spatial=auto``):
+    rank 0 calls it once the process group runs, with the world's ``Placement`` (ranks,
+    nodes, ranks per node), and every rank uses its answer.
 
+    ``backend``: None picks NCCL when CUDA is present (the grid's device is then this
+    rank's GPU) and gloo otherwise (the CPU; gloo keeps the model on the CPU even where
+    GPUs exist). ``timeout_s`` bounds every collective, so a dead peer ends the job
+    instead of hanging it (NCCL gets a margin, ``process_group_timeout``). ``tf32`` and
+    ``cudnn_benchmark``: see ``configure_cuda`` (TF32 off: the split equals serial to
+    float32 rounding).
+    """
+    # Here, not at the top: `python -m parallel.placement` must not find itself imported already.
+    from parallel.placement import (Placement, PlacementError, gather_facts, local_position, log_placement,
+                                    plan_devices)
+
+    launcher = "external" if dist.is_initialized() else detect_launcher()
+    configure_cuda(tf32, cudnn_benchmark)
+    if backend is None:
+        backend = str(dist.get_backend()) if launcher == "external" else \
+            ("nccl" if torch.cuda.is_available() else "gloo")
+    timeout = timedelta(seconds=process_group_timeout(backend, timeout_s))
+    store: tuple[str, int] | None = None
     if launcher == "torchrun":
         dist.init_process_group(backend, init_method="env://", timeout=timeout)
-        _STORE_ADDRESS = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        store = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     elif launcher == "mpi":
-        rank, size, local_rank, address = _mpi_rendezvous()
-        if device.type == "cuda":
-            device = torch.device("cuda", local_rank % torch.cuda.device_count())
-            torch.cuda.set_device(device)
+        rank, size, address = _mpi_rendezvous()
         dist.init_process_group(backend, init_method=address, rank=rank, world_size=size, timeout=timeout)
         host, port = address.removeprefix("tcp://").rsplit(":", 1)
-        _STORE_ADDRESS = (host, int(port))
+        store = (host, int(port))
     elif launcher == "slurm":
         # The step's first node, not the job's: concurrent steps (weak scaling) each rendezvous on their own.
         host = os.environ.get("MASTER_ADDR") or first_slurm_host(
@@ -147,24 +173,54 @@ def init(spatial: Sequence[int] | Callable[[], Sequence[int]] = (1, 1, 1), *, ba
         dist.init_process_group(backend, init_method=f"tcp://{host}:{port}",
                                 rank=int(os.environ["SLURM_PROCID"]),
                                 world_size=int(os.environ["SLURM_NTASKS"]), timeout=timeout)
-        _STORE_ADDRESS = (host, port)
+        store = (host, port)
     elif launcher == "single":
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port('127.0.0.1')}",
                                 rank=0, world_size=1, timeout=timeout)
-
-    if callable(spatial):
-        spatial = _decided_on_rank0(spatial, device)
-    grid = Grid.from_world(spatial, device=device, local_rank=local_rank, launcher=launcher)
+    nccl = "nccl" in backend
+    if nccl:
+        log.info("NCCL collectives time out after %.0f s: parallel.timeout_s=%g plus a margin, so the "
+                 "watchdog names a silent peer before NCCL's own watchdog aborts (docs/failures.md)",
+                 timeout.total_seconds(), timeout_s)
+    # A CPU group beside NCCL, for host-side facts: NCCL cannot talk before each rank has its
+    # GPU, and the placement decides which GPU that is. Under gloo the world is that group.
+    cpu_group = dist.new_group(backend="gloo") if nccl else dist.group.WORLD
+    try:
+        hosts, gpus = gather_facts(cpu_group, with_gpus=nccl)
+        rank = dist.get_rank()
+        local_rank, _ = local_position(hosts, rank)
+        device = torch.device("cpu")
+        if nccl:
+            picks = plan_devices(hosts, gpus)  # the same answer (or error) on every rank
+            blind = [r for r, index in enumerate(picks) if index is None]
+            if blind:
+                raise PlacementError(f"backend {backend} needs a GPU for every rank; ranks {blind} (on "
+                                     f"{', '.join(sorted({hosts[r] for r in blind}))}) see none")
+            device = torch.device("cuda", picks[rank])
+            torch.cuda.set_device(device)
+            # The first NCCL operation, with every rank: NCCL starts here (an error surfaces at
+            # start-up), and batched point-to-point on the world may later involve only some ranks.
+            comm.barrier(None)
+        if callable(spatial):
+            world = Placement(tuple(hosts), 1)
+            spatial = _decided_on_rank0(lambda: spatial(world), cpu_group)  # type: ignore[misc]
+        grid = Grid.from_world(spatial, device=device, local_rank=local_rank, launcher=launcher)
+    except BaseException:
+        # Every rank fails here alike (the facts are shared): leave together, not mid-message.
+        _leave(cpu_group, min(timeout_s, 60.0))
+        raise
+    grid.placement = Placement(tuple(hosts), grid.spatial_size)
+    grid.store_address, grid.cpu_group, grid.backend = store, cpu_group, backend
     log.info("%s, backend %s", grid.describe(), backend)
-    from parallel.placement import log_placement  # here, not above: `python -m parallel.placement` stays clean
-    log_placement(grid)  # which node holds which ranks; warns when a spatial group spans nodes
+    log_placement(grid.placement)  # which node holds which ranks; warns when a spatial group spans nodes
     return grid
 
 
-def _decided_on_rank0(decide: Callable[[], Sequence[int]], device: torch.device) -> tuple[int, int, int]:
-    """``decide()`` on rank 0, broadcast to all: every rank builds the same grid (its groups
-    must match) even where ranks would measure or read differently. A failure on rank 0
-    is reported on every rank instead of leaving them waiting."""
+def _decided_on_rank0(decide: Callable[[], Sequence[int]], group: Any) -> tuple[int, int, int]:
+    """``decide()`` on rank 0, broadcast over ``group`` (a CPU group of the world): every
+    rank builds the same grid (its groups must match) even where ranks would measure or
+    read differently. A failure on rank 0 is reported on every rank instead of leaving
+    them waiting."""
     choice = torch.full((3,), -1, dtype=torch.int64)
     error: BaseException | None = None
     if dist.get_rank() == 0:
@@ -172,10 +228,7 @@ def _decided_on_rank0(decide: Callable[[], Sequence[int]], device: torch.device)
             choice = torch.tensor([int(v) for v in decide()], dtype=torch.int64)
         except BaseException as exc:  # noqa: BLE001 - the others must hear of it
             error = exc
-    if dist.get_world_size() > 1:
-        on = choice.to(device) if dist.get_backend() == "nccl" else choice
-        dist.broadcast(on, src=0)
-        choice = on.cpu()
+    comm.broadcast_(choice, 0, group)
     if error is not None:
         raise error
     if bool((choice < 1).any()):
@@ -183,7 +236,32 @@ def _decided_on_rank0(decide: Callable[[], Sequence[int]], device: torch.device)
     return tuple(int(v) for v in choice.tolist())  # type: ignore[return-value]
 
 
-def destroy() -> None:
-    """Tear down the process group (safe to call when none is running)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def _leave(group: Any, timeout_s: float) -> None:
+    """Wait (bounded) for the others of ``group``, then tear the process group down."""
+    try:
+        comm.barrier(group, timeout_s=timeout_s, caller="parallel.init (failed)")
+    except (TimeoutError, RuntimeError) as err:
+        log.warning("%s", err)
+    dist.destroy_process_group()
+
+
+def destroy(timeout_s: float = 600.0, *, sync: bool = True) -> None:
+    """Tear down the process group (safe to call when none is running).
+
+    With ``sync`` (the default), first wait for this rank's GPU work and for every rank
+    to arrive (a barrier on the world group, bounded by ``timeout_s``), so no message of
+    the last collectives is still in flight when the group goes: a program that ends
+    with ``parallel.destroy()`` exits cleanly. A rank that does not arrive in time is
+    logged and the group is torn down anyway. ``sync=False`` skips the wait (an error
+    path where the other ranks will not call ``destroy``).
+    """
+    if not dist.is_initialized():
+        return
+    if sync:
+        if "nccl" in comm.group_backend(None):
+            torch.cuda.synchronize()
+        try:
+            comm.barrier(None, timeout_s=timeout_s, caller="parallel.destroy")
+        except TimeoutError as err:
+            log.warning("%s; tearing the process group down anyway", err)
+    dist.destroy_process_group()

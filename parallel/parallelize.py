@@ -13,9 +13,9 @@ import logging
 from typing import Any, Iterator, Mapping
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from parallel import comm
 from parallel.comm import replicated_grad
 from parallel.gradsync import GradSync
 from parallel.grid import Grid
@@ -103,7 +103,7 @@ def _seed_dropout(module: nn.Module, grid: Grid, seed: int | None) -> None:
     base = torch.tensor([raw % 2**62], dtype=torch.int64, device=grid.device)  # initial_seed may exceed int64
     if grid.spatial_size > 1:
         root = grid.rank_at((0, 0, 0))
-        dist.broadcast(base, src=root, group=grid.spatial_group)
+        comm.broadcast_(base, root, grid.spatial_group)
     base_seed = int(base) % 2**62
     for i, layer in enumerate(layers):
         group_seed = (base_seed + 1_000_003 * grid.data_rank + 7919 * i) % 2**63
@@ -200,6 +200,6 @@ def parallelize(model: nn.Module, grid: Grid, *, sync_batchnorm: bool = False,
     if grid.world_size > 1:
         # Start every replica from the same weights, as DDP does.
         for tensor in list(model.parameters()) + list(model.buffers()):
-            dist.broadcast(tensor.data, src=0, group=grid.world_group)
+            comm.broadcast_(tensor.data, 0, grid.world_group)
     log.debug("parallelised %s over %s", type(model).__name__, grid.describe())
     return ParallelModule(model, grid, shapes, bucket_mb)

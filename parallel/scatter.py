@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from parallel import comm
 from parallel.grid import Grid
 from parallel.partition import block_bounds
 
@@ -29,20 +29,16 @@ def scatter(x: torch.Tensor, grid: Grid) -> torch.Tensor:
     return x[r0:r1, :, sd, sh, sw].to(grid.device)
 
 
-def _layout(x: torch.Tensor, grid: Grid) -> tuple[list[list[int]], list[int]]:
-    """Every rank's local shape, and the global shape (collective)."""
+def _global_shape(x: torch.Tensor, local: list[list[int]], grid: Grid) -> list[int]:
+    """The global shape from every rank's local shape."""
     dims = x.dim()
-    mine = torch.tensor(list(x.shape), dtype=torch.int64, device=grid.device)
-    shapes = [torch.zeros(dims, dtype=torch.int64, device=grid.device) for _ in range(grid.world_size)]
-    dist.all_gather(shapes, mine, group=grid.world_group)
-    local = [s.tolist() for s in shapes]
     full = list(x.shape)
     full[0] = sum(local[d * grid.spatial_size][0] for d in range(grid.data_size))
     if dims == 5:
         for axis in range(3):
             full[axis + 2] = sum(local[grid.rank_at(tuple(i if a == axis else 0 for a in range(3)))][axis + 2]
                                  for i in range(grid.spatial[axis]))
-    return local, full
+    return full
 
 
 def _regions(grid: Grid, full: list[int]) -> list[tuple[slice, ...]]:
@@ -62,23 +58,19 @@ def _regions(grid: Grid, full: list[int]) -> list[tuple[slice, ...]]:
 class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, grid: Grid) -> torch.Tensor:
-        local, full = _layout(x, grid)
+        parts = comm.all_gather_varlen(x.contiguous(), grid.world_group)  # blocks may differ in size
+        full = _global_shape(x, [list(p.shape) for p in parts], grid)
         regions = _regions(grid, full)
-        biggest = [max(s[d] for s in local) for d in range(x.dim())]
-        padded = x.new_zeros(biggest)
-        padded[tuple(slice(0, n) for n in x.shape)] = x
-        parts = [torch.empty_like(padded) for _ in range(grid.world_size)]
-        dist.all_gather(parts, padded.contiguous(), group=grid.world_group)
         out = x.new_empty(full)
         for rank, part in enumerate(parts):
-            out[regions[rank]] = part[tuple(slice(0, n) for n in local[rank])]
+            out[regions[rank]] = part
         ctx.grid, ctx.region = grid, regions[grid.rank]
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        total = grad.contiguous().clone()
-        dist.all_reduce(total, group=ctx.grid.world_group)
+        total = comm.all_reduce_(grad.clone(memory_format=torch.contiguous_format), ctx.grid.world_group,
+                                 caller="parallel.scatter.gather (backward)")
         return total[ctx.region].contiguous(), None
 
 

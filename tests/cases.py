@@ -47,10 +47,10 @@ def check_module(grid: Grid, build: Callable[[], nn.Module], shape: tuple[int, .
     gradient is the mean over data groups of their gradients.
     """
     torch.manual_seed(seed)
-    serial = build()
+    serial = build().to(grid.device)  # the grid's device: the CPU, or a GPU under SPATIALCNN_TEST_DEVICE=cuda
     model = copy.deepcopy(serial)
     gen = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(shape, generator=gen)
+    x = torch.randn(shape, generator=gen).to(grid.device)
 
     groups = 1 if sync_batchnorm else grid.data_size
     rows = parallel.block_bounds(shape[0], groups)
@@ -61,7 +61,7 @@ def check_module(grid: Grid, build: Callable[[], nn.Module], shape: tuple[int, .
         xs = x.clone().requires_grad_(True)
         outs = [rep(xs[a:b]) for rep, (a, b) in zip(replicas, rows)]
         ys = torch.cat(outs)
-        target = torch.randn(ys.shape, generator=gen)
+        target = torch.randn(ys.shape, generator=gen).to(grid.device)
         (ys * target).sum().backward()
         for rep in replicas:
             for p in rep.parameters():
@@ -117,14 +117,13 @@ def expect_error(grid: Grid, build: Callable[[], nn.Module], shape: tuple[int, .
 def check_halo(grid: Grid, n: int, dim: int, windows: list[tuple[int, int]], mode: str) -> float:
     """``fetch`` returns the right window of the global tensor, and ``reduce`` is its
     adjoint: <F x, y> == <x, F^T y> summed over ranks (float64)."""
-    import torch.distributed as dist
-
+    from parallel import comm
     from parallel.halo import fetch, make_plan, reduce
 
     shape = [2, 3, 4, 5, 6]
     shape[dim] = n
     gen = torch.Generator().manual_seed(0)
-    full = torch.randn(shape, generator=gen, dtype=torch.float64)
+    full = torch.randn(shape, generator=gen, dtype=torch.float64).to(grid.device)
     x = parallel.scatter(full, grid)
     axis = dim - 2
     plan = make_plan(n, grid.line_ranks(dim), grid.coords[axis], windows, mode)  # type: ignore[arg-type]
@@ -145,9 +144,9 @@ def check_halo(grid: Grid, n: int, dim: int, windows: list[tuple[int, int]], mod
     assert_close(fx, expected[tuple(index)], "fetched window", rtol=0.0)
 
     fx0 = fetch(x, dim, plan, fill=0.0)  # adjoint of the linear map (fill 0)
-    y = torch.randn(fx0.shape, generator=torch.Generator().manual_seed(100 + grid.rank), dtype=torch.float64)
-    sums = torch.stack([(fx0 * y).sum(), (x * reduce(y, dim, plan)).sum()])
-    dist.all_reduce(sums, group=grid.spatial_group)
+    y = torch.randn(fx0.shape, generator=torch.Generator().manual_seed(100 + grid.rank),
+                    dtype=torch.float64).to(grid.device)
+    sums = comm.all_reduce_(torch.stack([(fx0 * y).sum(), (x * reduce(y, dim, plan)).sum()]), grid.spatial_group)
     lhs, rhs = float(sums[0]), float(sums[1])
     if abs(lhs - rhs) > 1e-10 * max(abs(lhs), 1.0):
         raise AssertionError(f"<Fx, y> = {lhs!r} but <x, F^T y> = {rhs!r}")

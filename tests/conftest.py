@@ -26,6 +26,12 @@ from harness import Pools  # noqa: E402
 TIER_NAMES = ("unit", "ranks", "launch")
 TIERS = {
     "test_bad_input": "unit",
+    "test_comm_adjoint": "ranks",
+    "test_comm_layer": "unit",
+    "test_gpu_check": "launch",
+    "test_public_api": "launch",
+    "test_rng_restore": "unit",
+    "test_startup": "unit",
     "test_benchmark": "launch",
     "test_cluster_placement": "unit",
     "test_cluster_scripts": "launch",

@@ -6,6 +6,10 @@ function ``fn(grid, *args)``; every rank runs it with a ``Grid`` for the request
 spatial split. A failure on any rank, or a case that outlasts its timeout, tears the
 pool down (so no rank is left waiting in a collective) and fails the test with every
 rank's traceback.
+
+``SPATIALCNN_TEST_DEVICE=cuda`` runs the ranks on GPUs instead (NCCL, one GPU per rank,
+TF32 off): the same cases, on the device they are meant for (``scripts/gpu_check.sh``).
+A world larger than the GPUs present is skipped.
 """
 
 from __future__ import annotations
@@ -21,17 +25,27 @@ from typing import Any, Callable, Sequence
 
 from parallel.launch import free_port
 
+DEVICE = os.environ.get("SPATIALCNN_TEST_DEVICE", "cpu")
+
 
 def _worker(rank: int, world: int, port: int, jobs: Any, results: Any) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
 
+    from parallel import comm
     from parallel.grid import Grid
+    from parallel.launch import configure_cuda
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))
+    device = torch.device("cpu")
+    if DEVICE == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        configure_cuda(tf32=False)
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    comm.barrier(None)  # a first operation that involves every rank (NCCL's rule for point-to-point)
     grids: dict[tuple[int, int, int], Grid] = {}
     try:
         while True:
@@ -41,7 +55,7 @@ def _worker(rank: int, world: int, port: int, jobs: Any, results: Any) -> None:
             fn, args, spatial = job
             try:
                 if spatial not in grids:
-                    grids[spatial] = Grid.from_world(spatial)
+                    grids[spatial] = Grid.from_world(spatial, device=device)
                 results.put((rank, True, fn(grids[spatial], *args)))
             except BaseException:  # noqa: BLE001 - report everything to the test process
                 results.put((rank, False, traceback.format_exc()))
@@ -118,6 +132,12 @@ class Pools:
 
     def run(self, world: int, fn: Callable[..., Any], *args: Any, spatial: Sequence[int] = (1, 1, 1),
             timeout: float = 120.0) -> list[Any]:
+        if DEVICE == "cuda":
+            import pytest
+            import torch
+
+            if world > torch.cuda.device_count():
+                pytest.skip(f"{world} ranks need {world} GPUs, {torch.cuda.device_count()} present")
         pool = self._pools.get(world)
         if pool is None or not pool.alive:
             pool = self._pools[world] = RankPool(world)

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from parallel import augment as spatial_augment
+from parallel import comm
 from parallel.grid import Grid
 from parallel.layers.shapes import infer_global_dims
 from parallel.train.config import JobConfig, OptimConfig, ScheduleConfig, TrainConfig
@@ -85,10 +85,8 @@ def augment(batch: dict[str, torch.Tensor], gen: torch.Generator, grid: Grid,
     n = image.shape[0]
     counts = [n]
     if grid.data_size > 1:
-        mine = torch.tensor([n], dtype=torch.int64)
-        gathered = [torch.zeros_like(mine) for _ in range(grid.data_size)]
-        dist.all_gather(gathered, mine, group=grid.data_group)
-        counts = [int(c) for c in gathered]
+        mine = torch.tensor([n], dtype=torch.int64, device=comm.group_device(grid.data_group))
+        counts = [int(c) for c in torch.cat(comm.all_gather(mine, grid.data_group)).tolist()]
     offset = sum(counts[: grid.data_rank]) if grid.data_size > 1 else 0
     total = sum(counts)
     if n == 0:  # the whole spatial group holds no rows this step: nothing to exchange

@@ -29,10 +29,10 @@ from pathlib import Path
 import h5py
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import parallel
+from parallel import comm
 from parallel.data import BlockDataset
 from parallel.train import checkpoint
 from parallel.train.cli import load_job
@@ -120,9 +120,10 @@ def main(argv: list[str] | None = None) -> None:
                 labels = logits.argmax(1)[0].to(torch.uint8).cpu().numpy()
             _write_block(args.out, ds, index, labels, grid, volume)
         if has_label:
-            scores = torch.tensor([sum(dice), len(dice)], dtype=torch.float64)
+            device = comm.group_device(grid.data_group)
+            scores = torch.tensor([sum(dice), len(dice)], dtype=torch.float64, device=device)
             if grid.data_size > 1:
-                dist.all_reduce(scores, group=grid.data_group)
+                comm.all_reduce_(scores, grid.data_group)
             if grid.rank == 0:
                 log.info("mean Dice over %d volumes: %.4f", int(scores[1]), scores[0] / max(scores[1], 1))
         if grid.rank == 0:
@@ -148,7 +149,7 @@ def _write_block(out: Path, ds: BlockDataset, index: int, labels: np.ndarray | N
                     dset.resize(row + 1, axis=0)
                 dset[row, d0:d1, h0:h1, w0:w1] = labels
         if grid.world_size > 1:
-            dist.barrier(group=grid.world_group)
+            comm.barrier(grid.world_group)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.distributed as dist
+from parallel import comm
 import torch.nn.functional as F
 from torch import nn
 
@@ -171,23 +171,22 @@ def _network(grid: Grid, sizes: Sequence[int], trials: int) -> dict[str, Any]:
         buf = torch.zeros(n // 4)
         times = []
         for _ in range(trials + 1):
-            dist.barrier()
+            comm.barrier(caller="calibrate: p2p")
             t0 = time.perf_counter()
             for _ in range(4):  # ping-pong: 8 one-way messages
-                if rank == 0:
-                    dist.send(buf, peer)
-                    dist.recv(buf, peer)
-                else:
-                    dist.recv(buf, peer)
-                    dist.send(buf, peer)
+                for sender in (0, 1):
+                    if rank == sender:
+                        comm.exchange([(peer, buf)], [], caller="calibrate: p2p")
+                    else:
+                        comm.exchange([], [(peer, buf)], caller="calibrate: p2p")
             times.append((time.perf_counter() - t0) / 8)
         p2p.append(statistics.median(times[1:]))
         times = []
         for _ in range(trials + 1):
-            dist.barrier()
+            comm.barrier(caller="calibrate: all-reduce")
             t0 = time.perf_counter()
             for _ in range(4):
-                dist.all_reduce(buf)
+                comm.all_reduce_(buf, None, caller="calibrate: all-reduce")
             times.append((time.perf_counter() - t0) / 4)
         ar.append(statistics.median(times[1:]))
     res["p2p"], res["allreduce"] = p2p, ar

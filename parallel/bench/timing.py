@@ -7,12 +7,11 @@ import time
 from typing import Callable
 
 import torch
-import torch.distributed as dist
+from parallel import comm
 
 
 def _barrier(group: object | None) -> None:
-    if dist.is_initialized() and dist.get_world_size(group) > 1:  # type: ignore[arg-type]
-        dist.barrier(group=group)  # type: ignore[arg-type]
+    comm.barrier(group, caller="bench.timing")
 
 
 def interleaved(variants: dict[str, Callable[[], None]], trials: int, warmup: int = 1,
@@ -36,8 +35,7 @@ def interleaved(variants: dict[str, Callable[[], None]], trials: int, warmup: in
             variants[name]()
             row.append(time.perf_counter() - t0)
         secs = torch.tensor(row, dtype=torch.float64)
-        if dist.is_initialized() and dist.get_world_size(group) > 1:  # type: ignore[arg-type]
-            dist.all_reduce(secs, op=dist.ReduceOp.MAX, group=group)  # type: ignore[arg-type]
+        comm.all_reduce_(secs, group, "max", caller="bench.timing.interleaved")
         for name, s in zip(names, secs.tolist()):
             times[name].append(s)
     return times

@@ -38,18 +38,20 @@ class JobReport:
 
 
 class _Mpi:
-    """MPI rank, size and barrier when launched by mpirun, else a world of one."""
+    """MPI rank, size, ranks on this node and barrier when launched by mpirun, else a world of one."""
 
     def __init__(self) -> None:
         from parallel.launch import detect_launcher
 
         self.comm = None
-        self.rank, self.size = 0, 1
+        self.rank, self.size, self.local_size = 0, 1, 1
         if detect_launcher() == "mpi":
             from mpi4py import MPI
 
             self.comm = MPI.COMM_WORLD
             self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+            # The ranks sharing this node, from MPI itself (collective: every rank builds this once).
+            self.local_size = self.comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
 
     def barrier(self) -> None:
         if self.comm is not None:
@@ -131,5 +133,4 @@ def default_workers() -> int:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
         cores = os.cpu_count() or 1
-    local = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", os.environ.get("MPI_LOCALNRANKS", "1")))
-    return max(1, cores // max(local, 1))
+    return max(1, cores // max(mpi().local_size, 1))

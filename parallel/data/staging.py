@@ -8,11 +8,12 @@ Two modes:
   smaller sample files under ``block_d{cd}h{ch}w{cw}/`` with ``global_shape`` and
   ``block_origin`` attributes, so that the reader finds its hyperslab in them.
 
-Ranks of a node are consecutive (``rank // local_size`` is the node), as the launchers
-place them; they share the work round-robin and wait for each other. The destination
-gets a manifest listing every source file with its sample count and the source
-directory, so that ``BlockDataset(dest)`` keeps the global sample numbering and reads
-anything not staged (e.g. samples a partial shuffle brings in) from the source.
+The ranks of a node (as the placement gathered at start-up found them, or ``rank //
+local_size`` when a caller says how many consecutive ranks a node holds) share the work
+round-robin and wait for each other. The destination gets a manifest listing every
+source file with its sample count and the source directory, so that
+``BlockDataset(dest)`` keeps the global sample numbering and reads anything not staged
+(e.g. samples a partial shuffle brings in) from the source.
 Copies go to a temporary name and are renamed: an interrupted staging resumes, and
 files already present (same size) are not copied again.
 """
@@ -31,8 +32,8 @@ from typing import Any, Literal, Sequence
 import h5py
 import numpy as np
 import torch
-import torch.distributed as dist
 
+from parallel import comm
 from parallel.data.codecs import codec_kwargs
 from parallel.data.format import MANIFEST, choose_chunks
 from parallel.data.reader import _resolve, block_dir_name
@@ -54,13 +55,19 @@ class StageReport:
     seconds_max: float
 
 
-def _node_ranks(grid: Any, local_size: int) -> list[int]:
+def _node_ranks(grid: Any, local_size: int | None) -> list[int]:
+    """The ranks that share this rank's node: from the placement gathered at start-up
+    (``grid.placement``) unless ``local_size`` says how many consecutive ranks a node holds;
+    this rank alone when neither is known."""
+    if local_size is None:
+        placement = getattr(grid, "placement", None)
+        return placement.node_ranks(grid.rank) if placement is not None else [grid.rank]
     node = grid.rank // local_size
     return list(range(node * local_size, min((node + 1) * local_size, grid.world_size)))
 
 
 def stage(source: str | os.PathLike, dest: str | os.PathLike, grid: Any,
-          mode: Literal["shard", "blocks"] = "shard", local_size: int = 1,
+          mode: Literal["shard", "blocks"] = "shard", local_size: int | None = None,
           indices: Sequence[int] | np.ndarray | None = None) -> StageReport:
     """Copy this node's share of ``source`` into ``dest``; collective when dist runs.
 
@@ -69,7 +76,8 @@ def stage(source: str | os.PathLike, dest: str | os.PathLike, grid: Any,
         dest: node-local directory (e.g. ``/dev/shm/train`` or ``$TMPDIR/train``).
         grid: the process grid (rank, world size, spatial split).
         mode: ``shard`` (whole files) or ``blocks`` (only the node's blocks).
-        local_size: ranks per node.
+        local_size: ranks per node, consecutive (None: the node's ranks as
+            ``grid.placement`` found them at start-up).
         indices: global sample indices the node needs (e.g. the union of its data groups'
             ``PartialShuffleSampler.shard(0)``); None for all samples.
     """
@@ -106,13 +114,11 @@ def stage(source: str | os.PathLike, dest: str | os.PathLike, grid: Any,
     seconds = time.perf_counter() - t0
     totals = [float(nbytes), float(nfiles)]
     seconds_max = seconds
-    if dist.is_available() and dist.is_initialized():
-        device = getattr(grid, "device", torch.device("cpu"))
-        t = torch.tensor(totals, dtype=torch.float64, device=device)
-        dist.all_reduce(t)
-        m = torch.tensor([seconds], dtype=torch.float64, device=device)
-        dist.all_reduce(m, op=dist.ReduceOp.MAX)
-        totals, seconds_max = t.tolist(), float(m.item())
+    if comm.group_size(None) > 1:
+        device = comm.group_device(None)
+        totals = comm.all_reduce_(torch.tensor(totals, dtype=torch.float64, device=device), None).tolist()
+        slowest = torch.tensor([seconds], dtype=torch.float64, device=device)
+        seconds_max = float(comm.all_reduce_(slowest, None, "max"))
     log.info("staged %d files, %.1f MB in %.1f s on rank %d (all ranks: %d files, %.1f MB)",
              nfiles, nbytes / 1e6, seconds, grid.rank, totals[1], totals[0] / 1e6)
     return StageReport(path=dest, bytes=nbytes, files=nfiles, seconds=seconds,
@@ -120,10 +126,9 @@ def stage(source: str | os.PathLike, dest: str | os.PathLike, grid: Any,
 
 
 def _barrier(grid: Any) -> None:
-    if dist.is_available() and dist.is_initialized():
-        # The world, not a node group: creating node groups would itself be collective,
-        # and staging happens once, before training.
-        dist.barrier()
+    # The world, not a node group: creating node groups would itself be collective, and
+    # staging happens once, before training.
+    comm.barrier(None)
 
 
 def _copy_file(src: Path, out: Path) -> int:

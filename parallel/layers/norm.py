@@ -19,17 +19,17 @@ import math
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from parallel import comm
 from parallel.layers.base import SpatialMixin
 
 
 def _sum_over(t: torch.Tensor, group: Any) -> torch.Tensor:
     """All-reduce (sum) in place over ``group`` where it has more than one rank."""
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, group=group)
+    if group is not None and comm.group_size(group) > 1:
+        comm.all_reduce_(t, group)
     return t
 
 
@@ -103,7 +103,7 @@ class SpatialBatchNorm3d(SpatialMixin, nn.BatchNorm3d):
         count = float(x.shape[0] * math.prod(self.global_dims(x)))
         if self.sync_data and self.grid.data_size > 1:
             rows = torch.tensor([count], dtype=torch.float64, device=x.device)
-            dist.all_reduce(rows, group=self.grid.data_group)
+            comm.all_reduce_(rows, self.grid.data_group)
             count = float(rows)
         y, mean, var = _Normalize.apply(x, self.weight if self.affine else None, self.bias if self.affine else None,
                                         tuple(x.shape), (0, 2, 3, 4), count, group, self.eps)

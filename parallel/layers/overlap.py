@@ -1,11 +1,18 @@
 """Convolution with the halo exchange hidden behind the interior.
 
 The output voxels of a block whose inputs lie inside the block (the interior) need no
-halo. The forward starts the exchange on the halo thread, convolves the interior from
-the block itself, then, once the window has arrived, the boundary slabs from the window.
-The backward runs the same way round: the input gradients of the boundary slabs first,
-whose halo parts go back to their owners on the halo thread while the interior's input
-gradient and the weight gradient are computed.
+halo. The forward starts the exchange (``halo.in_background``), convolves the interior
+from the block itself, then, once the window has arrived, the boundary slabs from the
+window. The backward runs the same way round: the input gradients of the boundary slabs
+first, whose halo parts go back to their owners while the interior's input gradient and
+the weight gradient are computed.
+
+What runs beside what: on CPUs (gloo) the exchange runs on the halo thread while this
+thread convolves. On GPUs (NCCL) the exchange is queued on a dedicated CUDA stream
+(packing, the NCCL messages, unpacking) while the interior's kernels are queued on the
+caller's stream; the caller's stream then waits for the side stream, and the window is
+recorded for it. How much the two streams overlap is up to the GPU; it has not been
+measured (no GPU was available, docs/performance.md).
 
 Numbers are those of the plain path: every output voxel is the same dot product, and
 every gradient the same sums, only cut into pieces.

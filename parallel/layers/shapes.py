@@ -14,8 +14,8 @@ import contextlib
 from typing import Iterator
 
 import torch
-import torch.distributed as dist
 
+from parallel import comm
 from parallel.grid import Grid
 from parallel.partition import DIM_NAMES, SplitError, block_bounds
 
@@ -31,10 +31,10 @@ def infer_global_dims(x: torch.Tensor, grid: Grid, where: str) -> tuple[int, int
     local = tuple(int(s) for s in x.shape[2:])
     if grid.spatial_size == 1:
         return local  # type: ignore[return-value]
-    mine = torch.tensor(local, dtype=torch.int64)
-    sizes = [torch.zeros(3, dtype=torch.int64) for _ in range(grid.spatial_size)]
-    dist.all_gather(sizes, mine, group=grid.spatial_group)
-    by_coords = {grid.spatial_coords(r): tuple(s.tolist()) for r, s in enumerate(sizes)}
+    # On the group's device (NCCL takes only tensors on the rank's GPU); one copy back.
+    mine = torch.tensor(local, dtype=torch.int64).to(comm.group_device(grid.spatial_group))
+    sizes = torch.stack(comm.all_gather(mine, grid.spatial_group)).tolist()
+    by_coords = {grid.spatial_coords(r): tuple(s) for r, s in enumerate(sizes)}
     dims = []
     for axis in range(3):
         line = []

@@ -24,16 +24,16 @@ def world_size_from_env(env: dict[str, str] | None = None) -> int:
     return 1
 
 
-def _memory_per_rank(cfg: Any) -> float:
+def _memory_per_rank(cfg: Any, local_size: int) -> float:
     if cfg.parallel.device_memory_gb > 0:
         return cfg.parallel.device_memory_gb * 1e9
     if torch.cuda.is_available():
         return float(torch.cuda.get_device_properties(0).total_memory)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", "1")) or 1)
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(local, 1)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(local_size, 1)
 
 
-def auto_spatial(cfg: Any, family: Any, facts: SampleFacts, world_size: int | None = None) -> list[int]:
+def auto_spatial(cfg: Any, family: Any, facts: SampleFacts, world_size: int | None = None,
+                 local_size: int = 1) -> list[int]:
     """``parallel.spatial=auto``: the spatial split of the fastest (data x spatial) split that
     fits, for this job's model, sample volume (``facts``), global batch and world size.
 
@@ -55,5 +55,5 @@ def auto_spatial(cfg: Any, family: Any, facts: SampleFacts, world_size: int | No
         log.warning(
             "parallel.spatial=auto: no calibration at %s; using built-in figures (write one with "
             "'python scripts/benchmark.py calibrate', or point SPATIALCNN_CALIBRATION at one)", calibration)
-    spatial = plan.choose(layers, plan.Machine.load(), world, _memory_per_rank(cfg), opts)
+    spatial = plan.choose(layers, plan.Machine.load(), world, _memory_per_rank(cfg, local_size), opts)
     return list(spatial)

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from parallel import comm
 from torch import nn
 
 from parallel.grid import Grid
@@ -68,26 +68,36 @@ def rng_state(model: nn.Module | None = None) -> torch.Tensor:
     return torch.cat([s.cpu().view(torch.uint8).flatten() for s in states])
 
 
+class RngLayoutError(ValueError):
+    """Saved RNG streams that do not fit this process (another device kind, model or format)."""
+
+
 def set_rng_state(state: torch.Tensor, model: nn.Module | None = None) -> None:
-    """Inverse of ``rng_state`` (the same model layout and device kind)."""
-    offset = 0
-
-    def take(like: torch.Tensor) -> torch.Tensor:
-        nonlocal offset
-        n = like.numel()
-        if offset + n > state.numel():
-            raise ValueError(f"checkpoint RNG state holds {state.numel()} bytes, this model needs more")
-        out = state[offset:offset + n].clone()
-        offset += n
-        return out
-
-    torch.set_rng_state(take(torch.get_rng_state()))
+    """Inverse of ``rng_state``. The bytes are taken to the CPU first (a checkpoint loaded
+    with ``map_location`` on a GPU brings them there; torch's setters take CPU bytes), and
+    the whole layout is checked before any stream is set, so a foreign layout raises
+    ``RngLayoutError`` and leaves every stream as it was."""
+    if not isinstance(state, torch.Tensor) or state.device.type == "meta":
+        raise RngLayoutError(f"the saved RNG state holds no bytes ({type(state).__name__} on "
+                             f"{getattr(state, 'device', 'no device')})")
+    if state.dtype != torch.uint8 or state.dim() != 1:
+        raise RngLayoutError(f"the saved RNG state is {state.dtype} of shape {tuple(state.shape)}, "
+                             "not a flat uint8 tensor")
+    state = state.detach().to("cpu")
+    setters = [(torch.set_rng_state, torch.get_rng_state().numel(), "torch's CPU stream")]
     if torch.cuda.is_available():
-        torch.cuda.set_rng_state(take(torch.cuda.get_rng_state()))
+        setters.append((torch.cuda.set_rng_state, torch.cuda.get_rng_state().numel(), "the CUDA stream"))
     for g in _generators(model):
-        g.set_state(take(g.get_state()))
-    if offset != state.numel():
-        raise ValueError(f"checkpoint RNG state holds {state.numel()} bytes, this model uses {offset}")
+        setters.append((g.set_state, g.get_state().numel(), f"a {g.device.type} dropout generator"))
+    need = sum(n for _, n, _ in setters)
+    if state.numel() != need:
+        parts = ", ".join(f"{what} {n}" for _, n, what in setters)
+        raise RngLayoutError(f"the saved RNG state holds {state.numel()} bytes, this process's streams "
+                             f"take {need} ({parts})")
+    offset = 0
+    for setter, n, _ in setters:
+        setter(state[offset:offset + n].clone())
+        offset += n
 
 
 def gather_rng(grid: Grid, model: nn.Module | None = None) -> torch.Tensor:
@@ -95,11 +105,13 @@ def gather_rng(grid: Grid, model: nn.Module | None = None) -> torch.Tensor:
     state = rng_state(model)
     if grid.world_size == 1:
         return state[None]
-    dev = grid.device if grid.device.type == "cuda" else torch.device("cpu")
-    mine = state.to(dev)
-    out = [torch.empty_like(mine) for _ in range(grid.world_size)]
-    dist.all_gather(out, mine, group=grid.world_group)
-    return torch.stack([t.cpu() for t in out])
+    # lengths may differ between ranks (a CUDA rank also keeps its device generators)
+    parts = comm.all_gather_varlen(state.to(grid.device), grid.world_group, caller="checkpoint.gather_rng")
+    longest = max(p.numel() for p in parts)
+    if any(p.numel() != longest for p in parts):
+        raise CheckpointError(f"ranks keep RNG states of different lengths ({sorted({p.numel() for p in parts})} "
+                              "bytes); every rank of a job must run on the same kind of device")
+    return torch.stack([p.cpu() for p in parts])
 
 
 def save(path: str | os.PathLike, grid: Grid, state: dict[str, Any], model: nn.Module | None = None,
@@ -132,8 +144,7 @@ def save(path: str | os.PathLike, grid: Grid, state: dict[str, Any], model: nn.M
             os.replace(tmp, path)
         _fsync_dir(path.parent)
         log.debug("checkpoint step %s written to %s", state.get("step"), path)
-    if grid.world_size > 1:
-        dist.barrier(group=grid.world_group)
+    comm.barrier(grid.world_group, caller="checkpoint.save")
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -232,14 +243,21 @@ def _plain(value: Any) -> Any:
 
 
 def restore_rng(ckpt: dict[str, Any], grid: Grid, seed: int, model: nn.Module | None = None) -> bool:
-    """Restore this rank's RNG streams if the world size matches; else reseed. True if restored."""
+    """Restore this rank's RNG streams if the world, the split and the streams' layout
+    match; else reseed deterministically (from ``seed``, the step and the rank) with a
+    warning. True if restored."""
     rng = ckpt.get("rng") or {}
     same = rng.get("world_size") == grid.world_size and list(rng.get("spatial", [])) == list(grid.spatial)
     if same and "states" in rng:
-        set_rng_state(rng["states"][grid.rank], model)
-        return True
-    log.warning("checkpoint RNG streams are from a world of %s ranks split %s, this is %s split %s: "
-                "dropout is reseeded, so the run continues correctly but not bit for bit",
-                rng.get("world_size"), rng.get("spatial"), grid.world_size, list(grid.spatial))
+        try:
+            set_rng_state(rng["states"][grid.rank], model)
+            return True
+        except (RngLayoutError, IndexError, TypeError) as err:
+            log.warning("checkpoint RNG streams do not fit this process (%s; written on another kind of "
+                        "device?): reseeded, so the run continues correctly but not bit for bit", err)
+    else:
+        log.warning("checkpoint RNG streams are from a world of %s ranks split %s, this is %s split %s: "
+                    "dropout is reseeded, so the run continues correctly but not bit for bit",
+                    rng.get("world_size"), rng.get("spatial"), grid.world_size, list(grid.spatial))
     torch.manual_seed(seed + 7919 * (int(ckpt.get("step", 0)) + 1) + grid.rank)
     return False

@@ -140,6 +140,9 @@ class TrainConfig:
     """Continue from ``run.dir/checkpoints/last.pt`` if it exists."""
     precision: Precision = Precision.fp32
     """Compute precision: bf16 autocast (CPU or GPU), fp16 autocast with a grad scaler (GPU only)."""
+    tf32: bool = False
+    """On GPUs, TF32 for float32 convolutions and matmuls: faster, but the split and serial
+    runs then round differently (~1e-3 relative instead of ~1e-6; docs/training.md)."""
     eval_batch_size: int = 0
     """Samples per evaluation step over all data groups (0: train.global_batch_size)."""
     eval_every: int = 1

@@ -10,7 +10,6 @@ The loaders yield ``(Batch, StepStats)``: the batch's fields and, when
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,11 +158,8 @@ def build_data(cfg: JobConfig, family: Family, grid: Grid, facts: SampleFacts) -
     t0 = time.perf_counter()
     if cfg.data.stage_dir:
         mode = "blocks" if cfg.data.stage_blocks_only else "shard"
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", grid.world_size))
-        train_dir = Path(stage(str(train_dir), str(Path(cfg.data.stage_dir) / "train"), grid,
-                               mode=mode, local_size=local).path)
-        val_dir = Path(stage(str(val_dir), str(Path(cfg.data.stage_dir) / "val"), grid,
-                             mode=mode, local_size=local).path)
+        train_dir = Path(stage(str(train_dir), str(Path(cfg.data.stage_dir) / "train"), grid, mode=mode).path)
+        val_dir = Path(stage(str(val_dir), str(Path(cfg.data.stage_dir) / "val"), grid, mode=mode).path)
     staging = time.perf_counter() - t0
     check = dict(input_field=family.input_field, target_field=family.target_field)
     train_ds = CheckedDataset(train_dir, fields=fields, grid=grid, transform=family.transform,

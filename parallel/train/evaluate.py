@@ -14,7 +14,7 @@ import time
 from typing import Any, ContextManager
 
 import torch
-import torch.distributed as dist
+from parallel import comm
 from torch import nn
 
 from parallel.grid import Grid
@@ -53,7 +53,7 @@ def evaluate(model: nn.Module, loader: Any, family: Family, grid: Grid, precisio
         sums[1] += family.metric(out, y, grid).double().sum()
         sums[2] += n
     if grid.data_size > 1:
-        dist.all_reduce(sums, group=grid.data_group)
+        comm.all_reduce_(sums, grid.data_group, caller="evaluate")
     model.train(was_training)
     count = max(sums[2].item(), 1.0)
     return {"val_loss": sums[0].item() / count, f"val_{family.metric_name}": sums[1].item() / count,

@@ -17,12 +17,11 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
-import torch.distributed as dist
 
 import parallel
 from parallel.data.reader import SampleReadError
 from parallel.grid import Grid
-from parallel.launch import env_rank, store_address
+from parallel.launch import env_rank
 from parallel.partition import SplitError
 from parallel.train import checkpoint, preflight
 from parallel.train.config import JobConfig
@@ -59,16 +58,17 @@ def train(cfg: JobConfig, family: Family) -> dict[str, Any]:
         raise SystemExit(EXIT_USER) from None
     facts: preflight.SampleFacts | None = None
 
-    def decide() -> list[int]:  # rank 0, once the process group runs; its facts are not read again
+    def decide(world: Any) -> list[int]:  # rank 0, once the process group runs; facts are not read again
         nonlocal facts
         from parallel.train.autosplit import auto_spatial
 
         facts = preflight.read_facts(cfg, family)
-        return auto_spatial(cfg, family, facts)
+        return auto_spatial(cfg, family, facts, world_size=world.world_size, local_size=world.max_ranks_per_node)
 
     try:
         spatial: Any = decide if auto else cfg.parallel.spatial
-        grid = parallel.init(spatial, backend=cfg.parallel.backend, timeout_s=cfg.parallel.timeout_s)
+        grid = parallel.init(spatial, backend=cfg.parallel.backend, timeout_s=cfg.parallel.timeout_s,
+                             tf32=cfg.train.tf32)
         if auto:
             log.info("parallel.spatial=auto chose %s for %d ranks (parallel.plan)", "x".join(map(str, grid.spatial)),
                      grid.world_size)
@@ -86,22 +86,19 @@ def train(cfg: JobConfig, family: Family) -> dict[str, Any]:
         _fail(exc, grid, watchdog)
     if watchdog is not None:
         watchdog.stop()  # before the barrier: nobody watches a peer that has left
-    if grid.world_size > 1:
-        dist.barrier(group=grid.world_group)
-    parallel.destroy()
+    parallel.destroy(cfg.parallel.timeout_s)  # waits for every rank before the group goes
     return summary
 
 
 def _set_threads(grid: Grid) -> None:
     """CPU ranks share the host's cores unless ``OMP_NUM_THREADS`` says otherwise."""
     if grid.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", grid.world_size))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local, 1)))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(grid.local_size, 1)))
 
 
 def _start_watchdog(cfg: JobConfig, grid: Grid) -> Watchdog | None:
     """The watchdog of a multi-rank job; rank 0 writes ``run.dir/ranks.json`` (host, pid)."""
-    address = store_address()
+    address = grid.store_address
     if grid.world_size == 1 or address is None:
         return None
     attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from parallel import comm
 from mlperf_logging.mllog import constants as C
 
 import parallel
@@ -52,10 +50,9 @@ class Trainer:
             if not self.resuming:
                 for name in ("mlperf.log", "summary.json"):
                     (run_dir / name).unlink(missing_ok=True)
-        if grid.world_size > 1:
-            dist.barrier(group=grid.world_group)
+        comm.barrier(grid.world_group, caller="Trainer: old logs removed")
         self.ml = open_log(cfg, grid, family.name)
-        log_submission(self.ml, cfg, grid, family.name, n_nodes=_node_count(grid))
+        log_submission(self.ml, cfg, grid, family.name, n_nodes=grid.node_count)
 
         # bad files stop the job here, on every rank; the facts are read once and handed on
         facts = preflight.check_data(cfg, family, grid, facts)
@@ -222,11 +219,6 @@ def _data_mean(x: torch.Tensor, grid: Grid) -> float:
     """The mean over data groups of a value replicated within each spatial group."""
     x = x.detach().clone().double()
     if grid.data_size > 1:
-        dist.all_reduce(x, group=grid.data_group)
-        x /= grid.data_size
+        comm.all_reduce_(x, grid.data_group, "avg", caller="loop._data_mean")
     return float(x)
 
-
-def _node_count(grid: Grid) -> int:
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("MPI_LOCALNRANKS", grid.world_size)))
-    return max(1, math.ceil(grid.world_size / max(local, 1)))

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
-import torch.distributed as dist
+from parallel import comm
 
 from parallel.data.check import check_file
 from parallel.data.format import SampleSpec, read_manifest, sample_files
@@ -234,21 +234,11 @@ def check_data(cfg: JobConfig, family: Family, grid: Grid, facts: SampleFacts | 
 
 def _gather_lines(lines: list[str], grid: Grid) -> list[str]:
     """Every rank's lines, on every rank, in rank order (raw UTF-8 bytes, no pickle)."""
-    if grid.world_size == 1 or not dist.is_initialized():
+    if grid.world_size == 1:
         return lines
-    data = torch.frombuffer(bytearray(json.dumps(lines).encode() or b"[]"), dtype=torch.uint8)
-    dev = grid.device if grid.device.type == "cuda" else torch.device("cpu")
-    n = torch.tensor([data.numel()], dtype=torch.int64, device=dev)
-    sizes = [torch.zeros_like(n) for _ in range(grid.world_size)]
-    dist.all_gather(sizes, n, group=grid.world_group)
-    longest = int(max(int(s) for s in sizes))
-    buf = torch.zeros(longest, dtype=torch.uint8, device=dev)
-    buf[:data.numel()] = data.to(dev)
-    out = [torch.empty_like(buf) for _ in range(grid.world_size)]
-    dist.all_gather(out, buf, group=grid.world_group)
     merged: list[str] = []
-    for t, s in zip(out, sizes):
-        merged.extend(json.loads(bytes(t[:int(s)].cpu().tolist()).decode()))
+    for raw in comm.all_gather_bytes(json.dumps(lines).encode(), grid.world_group, caller="preflight"):
+        merged.extend(json.loads(raw.decode()))
     return merged
 
 

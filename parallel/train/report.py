@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from parallel import comm
 
 from parallel.grid import Grid
 from parallel.train.config import RunConfig
@@ -75,9 +75,7 @@ def gather_per_rank(values: list[float], grid: Grid) -> torch.Tensor:
     mine = torch.tensor(values, dtype=torch.float64, device=grid.device)
     if grid.world_size == 1:
         return mine[None].cpu()
-    out = [torch.empty_like(mine) for _ in range(grid.world_size)]
-    dist.all_gather(out, mine, group=grid.world_group)
-    return torch.stack(out).cpu()
+    return torch.stack(comm.all_gather(mine, grid.world_group, caller="report.gather_per_rank")).cpu()
 
 
 class Reporter:

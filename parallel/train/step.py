@@ -14,7 +14,7 @@ import logging
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
+from parallel import comm
 from torch import nn
 
 from parallel.grid import Grid
@@ -54,7 +54,7 @@ class NonFiniteGuard:
         """Leave out samples whose block is non-finite on any rank of the spatial group."""
         good = finite.to(device=grid.device, dtype=torch.int32)
         if grid.spatial_size > 1:
-            dist.all_reduce(good, op=dist.ReduceOp.MIN, group=grid.spatial_group)
+            comm.all_reduce_(good, grid.spatial_group, "min", caller="step: non-finite samples")
         keep = good.bool()
         n_bad = int((~keep).sum())
         if n_bad:

@@ -15,13 +15,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from parallel.comm.checks import group_size
+from parallel.comm.ops import all_reduce_
 from parallel.grid import Grid
 
 
-def _group_size(group: Any) -> int:
-    return dist.get_world_size(group) if group is not None else 1
+def _sum_(t: torch.Tensor, group: Any, caller: str | None) -> torch.Tensor:
+    """Sum ``t`` in place over ``group``; None (no group: a world of one) leaves it alone."""
+    if group is not None and group_size(group) > 1:
+        all_reduce_(t, group, caller=caller)
+    return t
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -30,17 +34,12 @@ class _AllReduceSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
-        y = x.clone()
-        if _group_size(group) > 1:
-            dist.all_reduce(y, group=group)
-        return y
+        return _sum_(x.clone(memory_format=torch.contiguous_format), group, None)  # caller: who called us
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        g = grad.clone()
-        if _group_size(ctx.group) > 1:
-            dist.all_reduce(g, group=ctx.group)
-        return g, None
+        g = grad.clone(memory_format=torch.contiguous_format)
+        return _sum_(g, ctx.group, "parallel.comm.all_reduce_sum (backward)"), None
 
 
 class _ReduceToReplicated(torch.autograd.Function):
@@ -49,10 +48,7 @@ class _ReduceToReplicated(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        y = x.clone()
-        if _group_size(group) > 1:
-            dist.all_reduce(y, group=group)
-        return y
+        return _sum_(x.clone(memory_format=torch.contiguous_format), group, None)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -71,7 +67,8 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 def all_reduce_sum(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """Differentiable sum over ``group`` whose backward is its exact adjoint."""
+    """Differentiable sum over ``group`` whose backward is its exact adjoint (None: no group,
+    the identity)."""
     return _AllReduceSum.apply(x, group)
 
 

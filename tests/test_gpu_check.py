@@ -1,0 +1,32 @@
+"""scripts/gpu_check.sh --cpu: the prepared GPU check's steps on the CPU with gloo at tiny
+sizes (self-checks, layer tests, short trainings with resume and predict, the probe)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_cpu_dry_run_passes(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    env.pop("SPATIALCNN_TEST_DEVICE", None)
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--cpu", "--out", str(tmp_path)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["ok"] and report["mode"] == "cpu dry run"
+    steps = {s["step"]: s for s in report["steps"]}
+    assert all(s["status"] == "pass" for s in steps.values()), steps
+    for expected in ("selfcheck 1 rank(s) gloo fp32", "selfcheck 1 rank(s) gloo bf16", "selfcheck 2 rank(s) gloo fp32",
+                     "train cosmoflow bf16", "resume cosmoflow bf16", "predict cosmoflow bf16",
+                     "train unet3d bf16", "resume unet3d bf16", "predict unet3d bf16"):
+        assert expected in steps, sorted(steps)
+    assert steps["selfcheck 2 rank(s) gloo fp32"]["data"]["max_rel_diff"] <= 1e-5
+    assert steps["resume cosmoflow bf16"]["data"]["summary"]["steps"] == 4
+    assert any(name.startswith("layer tests") for name in steps) and any(name.startswith("probe") for name in steps)
+    assert "status  seconds  notes" in proc.stdout  # the table
