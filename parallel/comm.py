@@ -94,3 +94,32 @@ def replicated_grad(x: torch.Tensor, grid: Grid) -> torch.Tensor:
     if grid.spatial_size == 1:
         return x
     return _ScaleGrad.apply(x, 1.0 / grid.spatial_size)
+
+
+# -- non-autograd helpers (superseded by the comm layer at merge)
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def all_reduce_(t: torch.Tensor, group: Any, op: str = "sum") -> torch.Tensor:
+    """Reduce ``t`` in place over ``group`` (op: sum, avg, max or min); returns ``t``."""
+    if op not in ("sum", "avg", "max", "min"):
+        raise ValueError(f"all_reduce_: op must be sum, avg, max or min, got {op!r}")
+    size = _group_size(group)
+    if size > 1:
+        dist.all_reduce(t, op=_REDUCE_OPS["sum" if op == "avg" else op], group=group)
+        if op == "avg":
+            t.div_(size)
+    return t
+
+
+def broadcast_(t: torch.Tensor, src: int, group: Any) -> torch.Tensor:
+    """Overwrite ``t`` in place with global rank ``src``'s copy, over ``group``; returns ``t``."""
+    if _group_size(group) > 1:
+        dist.broadcast(t, src=src, group=group)
+    return t
+
+
+def barrier(group: Any) -> None:
+    """Wait for every rank of ``group``."""
+    if _group_size(group) > 1:
+        dist.barrier(group=group)
