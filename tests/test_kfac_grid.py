@@ -25,6 +25,26 @@ def test_kfac_steps_equal_serial(pools, world, spatial):
     assert all(r["nus"] == results[0]["nus"] for r in results)
 
 
+def test_kfac_unet_like_voxel_output_equals_serial(pools):
+    # A loss over voxels (spatial sums, no replicated output), k2 s2 down and up, 'same' k4.
+    results = pools.run(4, kfac_cases.check_steps, 4, kfac_cases.settings(), (), 0, "unet", spatial=(2, 2, 1),
+                        timeout=300)
+    assert len(results[0]["layers"]) == 5 and results[0]["moved"] > 1e-3
+
+
+def test_kfac_with_overlapped_halo_equals_serial(pools):
+    # Factor steps (even) take the plain path for the window; odd steps run overlapped.
+    kw = kfac_cases.settings(factor_interval=2, inverse_interval=2)
+    pools.run(2, kfac_cases.check_steps, 4, kw, (), 0, "main", True, spatial=(2, 1, 1), timeout=300)
+
+
+def test_costs_count_the_bytes_a_step_reduces_and_broadcasts(pools):
+    for r in pools.run(4, kfac_cases.measured_traffic, kfac_cases.settings(), spatial=(2, 1, 1), timeout=300):
+        assert r["world"] == r["costs_world"] > 0
+        assert r["spatial"] == r["costs_spatial"] > 0
+        assert r["broadcast"] == r["costs_broadcast"] > 0
+
+
 def test_kfac_intervals_and_exclusion_equal_serial(pools):
     # Factors every 2nd step, eigendecompositions every 4th; the Flatten+Linear excluded
     # (plain update) while its neighbours are preconditioned.

@@ -58,8 +58,8 @@ class KFACConfig:
     factor_dtype: Dtype = Dtype.float32
     """Precision in which the factors are accumulated, reduced and averaged."""
     inverse_dtype: Dtype = Dtype.float32
-    """Precision of the eigendecompositions (computed in at least float32) and of the
-    preconditioning products."""
+    """Precision of the eigendecompositions and of the preconditioning products (float32
+    or float64: eigensolvers do not run in half precision)."""
     chunk_mb: float = 64.0
     """Largest block of convolution patches formed at once while accumulating A (MiB)."""
 
@@ -81,8 +81,11 @@ class KFACConfig:
             raise ValueError(f"kfac.max_factor_dim must be >= 1, got {self.max_factor_dim}")
         if not self.chunk_mb > 0:
             raise ValueError(f"kfac.chunk_mb must be > 0, got {self.chunk_mb}")
-        self.factor_dtype = Dtype(str(self.factor_dtype))
-        self.inverse_dtype = Dtype(str(self.inverse_dtype))
+        for name in ("factor_dtype", "inverse_dtype"):
+            value = str(getattr(self, name))
+            if value not in Dtype.__members__:
+                raise ValueError(f"kfac.{name} must be one of {', '.join(Dtype.__members__)}, got {value!r}")
+            setattr(self, name, Dtype(value))
         if self.inverse_dtype not in (Dtype.float32, Dtype.float64):
             raise ValueError(f"kfac.inverse_dtype must be float32 or float64 (eigendecompositions), "
                              f"got {self.inverse_dtype}")

@@ -80,6 +80,19 @@ def _shapes(model: nn.Module, per_sample: Sequence[int]) -> dict[str, tuple[tupl
     return shapes
 
 
+def _flattened(model: nn.Module) -> set[str]:
+    """Names of the Linear layers that ``parallelize`` turns into ``SpatialLinear`` (directly
+    after a Flatten in an nn.Sequential): their features are summed over space."""
+    names: set[str] = set()
+    for prefix, m in model.named_modules():
+        if isinstance(m, nn.Sequential):
+            kids = list(m.named_children())
+            for (_, a), (name, b) in zip(kids, kids[1:]):
+                if isinstance(a, nn.Flatten) and isinstance(b, nn.Linear):
+                    names.add(f"{prefix}.{name}" if prefix else name)
+    return names
+
+
 def kfac_costs(model: nn.Module, input_shape: Sequence[int], cfg: KFACConfig | None = None,
                spatial: Sequence[int] = (1, 1, 1), world_size: int | None = None) -> KFACCosts:
     """K-FAC's communication, work and memory per rank for ``model`` (serial) on a global
@@ -97,6 +110,7 @@ def kfac_costs(model: nn.Module, input_shape: Sequence[int], cfg: KFACConfig | N
     ibytes = torch.finfo(cfg.inverse_dtype.torch).bits // 8
     layers, skipped = find_layers(model, cfg)
     shapes = _shapes(model, input_shape[1:])
+    flattened = _flattened(model)
     out = KFACCosts(cfg.factor_interval, cfg.inverse_interval, skipped=skipped)
     dims: list[int] = []
     memory = 0.0
@@ -112,9 +126,9 @@ def kfac_costs(model: nn.Module, input_shape: Sequence[int], cfg: KFACConfig | N
             flops = 2.0 * positions * (da * da + dg * dg)
         else:  # every rank forms the whole (replicated) Gram matrices of the batch rows
             flops = 2.0 * batch * (da * da + dg * dg)
-            if s > 1:
-                out.linear_allreduce_bytes += fbytes * batch * (dg + (da - (layer.bias is not None)
-                                                                      if layer.kind == "flat" else 0))
+            if s > 1:  # output gradients, and the features of a Flatten+Linear
+                features = da - (layer.bias is not None) if layer.name in flattened else 0
+                out.linear_allreduce_bytes += fbytes * batch * (dg + features)
         out.factor_flops += flops
         out.factor_allreduce_bytes += fbytes * (packed_size(da) + 1 + packed_size(dg))
         out.broadcast_bytes += ibytes * (da * da + da + dg * dg + dg)
