@@ -249,4 +249,4 @@ def test_costs_match_the_optimiser_and_spread_the_inverses():
     assert any(name == "head.1" and "32769 wide" in why for name, why in one.skipped)
     assert one.inverse_flops == one.inverse_flops_total > many.inverse_flops
     assert many.factor_flops < one.factor_flops and many.linear_allreduce_bytes > 0
-    assert one.per_step()["inverse_flops"] == one.inverse_flops / 10
+    assert one.per_step()["inverse_flops"] == one.inverse_flops / one.inverse_interval
