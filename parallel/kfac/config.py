@@ -26,6 +26,9 @@ class Dtype(str, Enum):
     def __str__(self) -> str:
         return str(self.value)
 
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
     @property
     def torch(self) -> torch.dtype:
         return getattr(torch, self.value)
