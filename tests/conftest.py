@@ -45,6 +45,8 @@ TIERS = {
     "test_fail_security": "unit",
     "test_halo": "ranks",
     "test_launchers": "launch",
+    "test_kfac": "unit",
+    "test_kfac_grid": "ranks",
     "test_layers": "ranks",
     "test_models": "unit",
     "test_overlap": "ranks",

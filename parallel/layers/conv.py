@@ -16,7 +16,7 @@ CPU blocks on oneDNN.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Callable, Literal
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +49,11 @@ class SpatialConv3d(SpatialMixin, nn.Conv3d):
     """
 
     overlap: bool = False
+    window_hook: Callable[..., Any] | None = None
+    """``hook(layer, window, pads)``: the input window the kernel convolves (halos fetched,
+    padding materialised along split dims) and the padding it still applies; set by
+    ``parallel.kfac``, whose factors need the patches the convolution really reads. The
+    overlapped path never forms the window, so a hooked layer takes the plain one."""
 
     def _geometry(self, dims: tuple[int, int, int]) -> tuple[tuple[int, ...], list[ExchangePlan | None],
                                                               OverlapPlan | None]:
@@ -96,18 +101,25 @@ class SpatialConv3d(SpatialMixin, nn.Conv3d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dims = self.global_dims(x)
         pads, plans, oplan = self.cached(dims, lambda: self._geometry(dims))  # type: ignore[misc]
-        if self.overlap and oplan is not None:
+        if self.overlap and oplan is not None and self.window_hook is None:
             span = tuple(d * (k - 1) + 1 for k, d in zip(self.kernel_size, self.dilation))
             return OverlapConv.apply(x, self.weight, self.bias, oplan,
                                      (self.stride, pads, self.dilation, self.groups, span))
         for axis, plan in enumerate(plans):
             if plan is not None:
                 x = fetch(x, axis + 2, plan, 0.0)
+        if self.window_hook is not None:
+            self.window_hook(self, x, pads)
         return conv3d(x, self.weight, self.bias, self.stride, pads, self.dilation, self.groups)
 
 
 class SpatialConvTranspose3d(SpatialMixin, nn.ConvTranspose3d):
     """``nn.ConvTranspose3d`` on this rank's block; overlapping outputs summed into owners."""
+
+    window_hook: Callable[..., Any] | None = None
+    """``hook(layer, y, pads, out_pads)``: this rank's partial output before the overlaps are
+    summed into their owners, and the padding the kernel applied; set by ``parallel.kfac``,
+    which reads the output gradient over that window."""
 
     def _geometry(self, dims: tuple[int, int, int]) -> tuple[tuple[int, ...], tuple[int, ...], list[ExchangePlan | None]]:
         pads: list[int] = []
@@ -142,6 +154,8 @@ class SpatialConvTranspose3d(SpatialMixin, nn.ConvTranspose3d):
         split = any(p is not None for p in plans)
         y = F.conv_transpose3d(x, self.weight, None if split else self.bias, self.stride, pads,
                                out_pads, self.groups, self.dilation)
+        if self.window_hook is not None:
+            self.window_hook(self, y, pads, out_pads)
         for axis, plan in enumerate(plans):
             if plan is not None:
                 y = reduce(y, axis + 2, plan)

@@ -10,6 +10,8 @@ is non-zero only in its slice, and the gradient sync's spatial sum assembles it.
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,6 +30,10 @@ class SpatialFlatten(SpatialMixin, nn.Flatten):
 class SpatialLinear(SpatialMixin, nn.Linear):
     """``nn.Linear`` applied to the flattened distributed volume (partial product + sum)."""
 
+    window_hook: Callable[..., Any] | None = None
+    """``hook(layer, block, dims)``: this rank's block and the global (D, H, W); set by
+    ``parallel.kfac``, which assembles the flattened features."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dims = self.global_dims(x)
         c = x.shape[1]
@@ -35,6 +41,8 @@ class SpatialLinear(SpatialMixin, nn.Linear):
             raise ValueError(
                 f"{self.where}: the flattened volume has {c}x{dims[0]}x{dims[1]}x{dims[2]} = "
                 f"{c * dims[0] * dims[1] * dims[2]} features but the layer takes {self.in_features}")
+        if self.window_hook is not None:
+            self.window_hook(self, x, dims)
         (d0, d1), (h0, h1), (w0, w1) = self.cached(("range", dims), lambda: self.grid.block_range(dims))  # type: ignore[misc]
         block = self.weight.view(self.out_features, c, *dims)[:, :, d0:d1, h0:h1, w0:w1]
         partial = F.linear(x.flatten(1), block.reshape(self.out_features, -1))

@@ -1,0 +1,97 @@
+"""Settings of K-FAC, one dataclass the training config can embed (``optim.kfac``).
+
+Damping 1e-3, decay 0.95 and KL clipping 1e-3 are the usual K-FAC values for CNNs. The
+intervals are set by cost: accumulating a convolution's A factor is a Gram product over
+every output position, ~(Cin k^3 / Cout) times the layer's own forward; on CosmoFlow at
+128^3 one factor update costs ~3.6 SGD steps of compute, so it runs every 10th step and
+the eigendecompositions every 100th (``docs/kfac.md``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+
+class Dtype(str, Enum):
+    """A precision of factors or eigendecompositions (an Enum, which OmegaConf validates)."""
+
+    float32 = "float32"
+    float64 = "float64"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+    @property
+    def torch(self) -> torch.dtype:
+        return getattr(torch, self.value)
+
+
+@dataclass
+class KFACConfig:
+    """Kronecker-factored preconditioning of Conv3d, ConvTranspose3d and Linear gradients."""
+
+    damping: float = 1e-3
+    """Tikhonov damping added to the Kronecker product's eigenvalues: the preconditioner is
+    ``(G x A + damping I)^-1`` (exact, through both eigenbases)."""
+    factor_interval: int = 10
+    """Accumulate the factors A and G (and all-reduce them) every this many steps."""
+    inverse_interval: int = 100
+    """Recompute the eigendecompositions every this many steps (a multiple of
+    ``factor_interval``, so they always see freshly updated factors)."""
+    factor_decay: float = 0.95
+    """Running average of the factors: ``F = decay F + (1 - decay) F_new`` (the first
+    update takes ``F_new`` as it is)."""
+    kl_clip: float = 1e-3
+    """Scale every preconditioned gradient by ``min(1, sqrt(kl_clip / |sum lr^2 v.g|))``, a
+    bound on the step's predicted change of the model's output distribution (0: off)."""
+    include: list[str] = field(default_factory=list)
+    """``fnmatch`` patterns on module names (``"net.*"``) of the layers to precondition
+    (empty: every Conv3d, ConvTranspose3d and Linear)."""
+    exclude: list[str] = field(default_factory=list)
+    """Patterns of layers that take the plain update even if ``include`` matches them."""
+    max_factor_dim: int = 4096
+    """A layer with a factor wider than this takes the plain update (logged by name): the
+    eigendecomposition costs ~9 d^3 flops and d^2 memory on every rank. CosmoFlow's first
+    Linear at 128^3 input has a 32769-wide A; its fifth conv a 6913-wide one."""
+    factor_dtype: Dtype = Dtype.float32
+    """Precision in which the factors are accumulated, reduced and averaged."""
+    inverse_dtype: Dtype = Dtype.float32
+    """Precision of the eigendecompositions and of the preconditioning products (float32
+    or float64: eigensolvers do not run in half precision)."""
+    chunk_mb: float = 64.0
+    """Largest block of convolution patches formed at once while accumulating A (MiB)."""
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the setting and its value when one is out of range."""
+        if not self.damping > 0:
+            raise ValueError(f"kfac.damping must be > 0, got {self.damping}")
+        if self.factor_interval < 1 or self.inverse_interval < 1:
+            raise ValueError(f"kfac.factor_interval ({self.factor_interval}) and kfac.inverse_interval "
+                             f"({self.inverse_interval}) must be >= 1")
+        if self.inverse_interval % self.factor_interval:
+            raise ValueError(f"kfac.inverse_interval ({self.inverse_interval}) must be a multiple of "
+                             f"kfac.factor_interval ({self.factor_interval})")
+        if not 0.0 <= self.factor_decay < 1.0:
+            raise ValueError(f"kfac.factor_decay must be in [0, 1), got {self.factor_decay}")
+        if self.kl_clip < 0:
+            raise ValueError(f"kfac.kl_clip must be >= 0 (0: off), got {self.kl_clip}")
+        if self.max_factor_dim < 1:
+            raise ValueError(f"kfac.max_factor_dim must be >= 1, got {self.max_factor_dim}")
+        if not self.chunk_mb > 0:
+            raise ValueError(f"kfac.chunk_mb must be > 0, got {self.chunk_mb}")
+        for name in ("factor_dtype", "inverse_dtype"):
+            value = str(getattr(self, name))
+            if value not in Dtype.__members__:
+                raise ValueError(f"kfac.{name} must be one of {', '.join(Dtype.__members__)}, got {value!r}")
+            setattr(self, name, Dtype(value))
+        if self.inverse_dtype not in (Dtype.float32, Dtype.float64):
+            raise ValueError(f"kfac.inverse_dtype must be float32 or float64 (eigendecompositions), "
+                             f"got {self.inverse_dtype}")

@@ -1,0 +1,145 @@
+"""What K-FAC costs per step and per rank, counted before a run (for ``parallel.plan``).
+
+``kfac_costs(model, input_shape, cfg, spatial, world_size)`` traces the serial model on
+the meta device (a copy; the model is untouched) and counts, with the same layer choice
+and buffer layout as the optimiser:
+
+- ``factor_allreduce_bytes``: payload of the world all-reduce of one factor update
+  (upper triangles of every A and G, plus a count per layer); ``linear_allreduce_bytes``:
+  payload of the spatial all-reduce of the linear layers' rows (0 when spatial is 1);
+- ``factor_flops``: Gram products on this rank per factor update (its block's patches);
+- ``inverse_flops``: eigendecomposition flops (~9 d^3 each) of the busiest rank under the
+  optimiser's assignment, and ``inverse_flops_total`` over all ranks; ``broadcast_bytes``:
+  the eigenvectors and eigenvalues broadcast per inverse update;
+- ``precondition_flops``: the four matrix products per layer, every step, on every rank;
+- ``memory_bytes``: per rank, factors + eigendecompositions + the step's Gram sums + the
+  all-reduce buffer + one chunk of patches (``KFACConfig.chunk_mb``).
+
+``per_step()`` spreads the interval work over the steps between updates.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from parallel.kfac.config import KFACConfig
+from parallel.kfac.factors import packed_size
+from parallel.kfac.inverse import EIGH_FLOPS_PER_DIM3, assign, loads
+from parallel.kfac.layers import find_layers
+
+
+@dataclass
+class KFACCosts:
+    """Counts for one rank of a (data x spatial) grid; bytes and flops per update or step."""
+
+    factor_interval: int
+    inverse_interval: int
+    layers: list[dict[str, Any]] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    factor_allreduce_bytes: float = 0.0
+    linear_allreduce_bytes: float = 0.0
+    factor_flops: float = 0.0
+    inverse_flops: float = 0.0
+    inverse_flops_total: float = 0.0
+    broadcast_bytes: float = 0.0
+    precondition_flops: float = 0.0
+    memory_bytes: float = 0.0
+
+    def per_step(self) -> dict[str, float]:
+        """Average per optimiser step: interval work divided by its interval."""
+        fi, ii = self.factor_interval, self.inverse_interval
+        return {"allreduce_bytes": (self.factor_allreduce_bytes + self.linear_allreduce_bytes) / fi,
+                "factor_flops": self.factor_flops / fi, "inverse_flops": self.inverse_flops / ii,
+                "broadcast_bytes": self.broadcast_bytes / ii, "precondition_flops": self.precondition_flops}
+
+
+def _shapes(model: nn.Module, per_sample: Sequence[int]) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Per-sample (input, output) shapes of every Conv3d, ConvTranspose3d and Linear."""
+    meta = copy.deepcopy(model).to("meta") if any(p.device.type != "meta" for p in model.parameters()) else model
+    shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    names = {id(m): n for n, m in meta.named_modules()}
+
+    def record(m: nn.Module, inputs: tuple, output: Any) -> None:
+        shapes.setdefault(names[id(m)], (tuple(inputs[0].shape[1:]), tuple(output.shape[1:])))
+
+    hooks = [m.register_forward_hook(record) for m in meta.modules()
+             if isinstance(m, (nn.Conv3d, nn.ConvTranspose3d, nn.Linear))]
+    try:
+        with torch.no_grad():
+            dtype = next((p.dtype for p in meta.parameters() if p.is_floating_point()), torch.float32)
+            meta(torch.zeros((1, *per_sample), device="meta", dtype=dtype))
+    finally:
+        for h in hooks:
+            h.remove()
+    return shapes
+
+
+def _flattened(model: nn.Module) -> set[str]:
+    """Names of the Linear layers that ``parallelize`` turns into ``SpatialLinear`` (directly
+    after a Flatten in an nn.Sequential): their features are summed over space."""
+    names: set[str] = set()
+    for prefix, m in model.named_modules():
+        if isinstance(m, nn.Sequential):
+            kids = list(m.named_children())
+            for (_, a), (name, b) in zip(kids, kids[1:]):
+                if isinstance(a, nn.Flatten) and isinstance(b, nn.Linear):
+                    names.add(f"{prefix}.{name}" if prefix else name)
+    return names
+
+
+def kfac_costs(model: nn.Module, input_shape: Sequence[int], cfg: KFACConfig | None = None,
+               spatial: Sequence[int] = (1, 1, 1), world_size: int | None = None) -> KFACCosts:
+    """K-FAC's communication, work and memory per rank for ``model`` (serial) on a global
+    batch of ``input_shape`` (N, C, D, H, W) over ``world_size`` ranks (default: the
+    spatial size, one data group) split ``spatial``."""
+    cfg = cfg if cfg is not None else KFACConfig()
+    cfg.validate()
+    s = math.prod(spatial)
+    world = world_size if world_size is not None else s
+    if world % s:
+        raise ValueError(f"world size {world} is not a multiple of the spatial size {s} ({list(spatial)})")
+    data = world // s
+    batch = input_shape[0] / data
+    fbytes = torch.finfo(cfg.factor_dtype.torch).bits // 8
+    ibytes = torch.finfo(cfg.inverse_dtype.torch).bits // 8
+    layers, skipped = find_layers(model, cfg)
+    shapes = _shapes(model, input_shape[1:])
+    flattened = _flattened(model)
+    out = KFACCosts(cfg.factor_interval, cfg.inverse_interval, skipped=skipped)
+    dims: list[int] = []
+    memory = 0.0
+    for layer in layers:
+        da, dg = layer.dim_a, layer.dim_g
+        in_shape, out_shape = shapes.get(layer.name, ((), ()))
+        flops = 0.0
+        if layer.kind == "conv":  # A over output patches, G over output positions: 1/S of them here
+            positions = batch * math.prod(out_shape[1:]) / s
+            flops = 2.0 * positions * (da * da + dg * dg)
+        elif layer.kind == "convT":  # both over input positions (adjoint view)
+            positions = batch * math.prod(in_shape[1:]) / s
+            flops = 2.0 * positions * (da * da + dg * dg)
+        else:  # every rank forms the whole (replicated) Gram matrices of the batch rows
+            flops = 2.0 * batch * (da * da + dg * dg)
+            if s > 1:  # output gradients, and the features of a Flatten+Linear
+                features = da - (layer.bias is not None) if layer.name in flattened else 0
+                out.linear_allreduce_bytes += fbytes * batch * (dg + features)
+        out.factor_flops += flops
+        out.factor_allreduce_bytes += fbytes * (packed_size(da) + 1 + packed_size(dg))
+        out.broadcast_bytes += ibytes * (da * da + da + dg * dg + dg)
+        out.precondition_flops += 4.0 * (dg * dg * da + dg * da * da)
+        memory += fbytes * 2 * (da * da + dg * dg) + ibytes * (da * da + da + dg * dg + dg)
+        memory += fbytes * (packed_size(da) + 1 + packed_size(dg))
+        dims += [da, dg]
+        out.layers.append({"name": layer.name, "kind": layer.kind, "dim_a": da, "dim_g": dg,
+                           "factor_flops": flops})
+    costs = [EIGH_FLOPS_PER_DIM3 * float(d) ** 3 for d in dims]
+    per_rank = loads(costs, assign(costs, world), world) if costs else [0.0]
+    out.inverse_flops, out.inverse_flops_total = max(per_rank), sum(costs)
+    out.memory_bytes = memory + (cfg.chunk_mb * 2**20 if layers else 0.0)
+    return out

@@ -1,0 +1,145 @@
+"""Which layers K-FAC preconditions, and how each one's gradient is laid out as a matrix.
+
+A layer's weight gradient (and bias) is viewed as one matrix of shape (dim G, dim A):
+
+- Conv3d and Linear: ``[weight.view(out, -1) | bias]``: A over input patches (+1 for the
+  bias), G over output channels.
+- ConvTranspose3d (the adjoint view, ``parallel.kfac.patches``): ``weight.view(in, -1)^T``:
+  A over input channels, G over output channels x kernel offsets. Its bias takes the plain
+  update (it sums over output positions, which do not pair with input positions).
+
+Layers are named by the module's name in the serial model (``ParallelModule`` unwrapped);
+the state is keyed by the weight's parameter name (``<module>.weight``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from parallel.kfac.config import KFACConfig
+from parallel.layers.linear import SpatialLinear
+
+Kind = Literal["conv", "convT", "linear", "flat"]
+
+
+@dataclass(eq=False)
+class Layer:
+    """One preconditioned layer and what the current step has captured for it."""
+
+    name: str
+    module: nn.Module
+    kind: Kind
+    dim_a: int
+    dim_g: int
+    # The step's statistics (``parallel.kfac.capture``): Gram sums for convolutions, raw
+    # rows for linear layers (their features and gradients are reduced over space first).
+    a_sum: torch.Tensor | None = None
+    a_count: float = 0.0
+    g_sum: torch.Tensor | None = None
+    rows: int = 0
+    lin_a: list[torch.Tensor] = field(default_factory=list)
+    lin_g: list[torch.Tensor] = field(default_factory=list)
+    pending: Any = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}.weight" if self.name else "weight"
+
+    @property
+    def weight(self) -> nn.Parameter:
+        return self.module.weight  # type: ignore[return-value]
+
+    @property
+    def bias(self) -> nn.Parameter | None:
+        return None if self.kind == "convT" else self.module.bias  # type: ignore[return-value]
+
+    @property
+    def replicated(self) -> bool:
+        """Statistics computed identically on every rank of a spatial group (linear layers,
+        once their features and gradients are summed over space)."""
+        return self.kind in ("linear", "flat")
+
+    def clear(self) -> None:
+        self.a_sum, self.a_count, self.g_sum, self.rows = None, 0.0, None, 0
+        self.lin_a, self.lin_g, self.pending = [], [], None
+
+    def grad_matrix(self) -> torch.Tensor | None:
+        """The gradient as a (dim G, dim A) matrix, or None when it is missing."""
+        w, b = self.weight.grad, None if self.bias is None else self.bias.grad
+        if w is None or (self.bias is not None and b is None):
+            return None
+        if self.kind == "convT":
+            return w.reshape(w.shape[0], -1).t()
+        m = w.reshape(w.shape[0], -1)
+        return m if b is None else torch.cat([m, b.reshape(-1, 1)], dim=1)
+
+    def set_grad(self, m: torch.Tensor) -> None:
+        """Write a (dim G, dim A) matrix back into the gradients, in place."""
+        w, b = self.weight.grad, None if self.bias is None else self.bias.grad
+        assert w is not None
+        if self.kind == "convT":
+            w.copy_(m.t().reshape(w.shape))
+            return
+        n = w[0].numel()
+        w.copy_(m[:, :n].reshape(w.shape))
+        if b is not None:
+            b.copy_(m[:, n])
+
+
+def serial_type(module: nn.Module) -> str:
+    """The torch.nn class a (possibly spatial) layer stands for: ``Conv3d`` for SpatialConv3d."""
+    return next(c.__name__ for c in type(module).__mro__ if c.__module__.startswith("torch.nn"))
+
+
+def _dims(module: nn.Module) -> tuple[Kind, int, int] | str:
+    """(kind, dim A, dim G), or why the layer is not preconditioned."""
+    if isinstance(module, SpatialLinear):
+        return "flat", module.in_features + (module.bias is not None), module.out_features
+    if isinstance(module, nn.Linear):
+        return "linear", module.in_features + (module.bias is not None), module.out_features
+    if isinstance(module, (nn.Conv3d, nn.ConvTranspose3d)):
+        if module.groups != 1:
+            return f"groups={module.groups} (grouped convolutions are not factored)"
+        k = math.prod(module.kernel_size)
+        if isinstance(module, nn.ConvTranspose3d):
+            return "convT", module.in_channels, module.out_channels * k
+        return "conv", module.in_channels * k + (module.bias is not None), module.out_channels
+    return "not a Conv3d, ConvTranspose3d or Linear"
+
+
+def find_layers(model: nn.Module, cfg: KFACConfig) -> tuple[list[Layer], list[tuple[str, str]]]:
+    """The layers to precondition (model order) and the skipped ones with the reason."""
+    layers: list[Layer] = []
+    skipped: list[tuple[str, str]] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.Linear, nn.Conv3d, nn.ConvTranspose3d)):
+            continue
+        kind = serial_type(module)
+        if cfg.include and not any(fnmatch.fnmatchcase(name, p) for p in cfg.include):
+            skipped.append((name, f"{kind}: not matched by kfac.include {list(cfg.include)}"))
+            continue
+        hit = next((p for p in cfg.exclude if fnmatch.fnmatchcase(name, p)), None)
+        if hit is not None:
+            skipped.append((name, f"{kind}: matched by kfac.exclude '{hit}'"))
+            continue
+        if not module.weight.requires_grad:
+            skipped.append((name, f"{kind}: frozen weight"))
+            continue
+        dims = _dims(module)
+        if isinstance(dims, str):
+            skipped.append((name, f"{kind}: {dims}"))
+            continue
+        wide = max(dims[1], dims[2])
+        if wide > cfg.max_factor_dim:
+            which = "A" if dims[1] >= dims[2] else "G"
+            skipped.append((name, f"{kind}: factor {which} is {wide} wide > kfac.max_factor_dim "
+                                  f"{cfg.max_factor_dim}"))
+            continue
+        layers.append(Layer(name, module, *dims))
+    return layers, skipped

@@ -1,0 +1,203 @@
+"""SGD with momentum on K-FAC-preconditioned gradients, exact under any grid.
+
+    opt = KFAC(pmodel, grid, KFACConfig(), lr=0.01, momentum=0.9)
+    for x, y in batches:
+        opt.zero_grad(set_to_none=True)      # also drops statistics of a step never taken
+        loss_fn(pmodel(x), y).backward()     # hooks capture the factors' parts
+        opt.step()                           # reduce factors, decompose, precondition, SGD
+
+``KFAC`` is a ``torch.optim.SGD``: the training loop's schedule sets ``group["lr"]`` as it
+does for SGD, ``GradScaler.step`` and gradient clipping work as for SGD, and with no layer
+preconditioned it is SGD. At step ``t`` (counted from 0): if ``t % factor_interval == 0``
+the forwards and backwards of the step captured statistics and the factors' running
+averages are updated (one all-reduce over the world); if ``t % inverse_interval == 0``
+the eigendecompositions are recomputed (spread over ranks, then broadcast); then the
+preconditioned gradients are scaled by the KL clip and SGD takes its step.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from parallel.kfac.capture import Recorder
+from parallel.kfac.config import KFACConfig
+from parallel.kfac.factors import reduce_factors
+from parallel.kfac.inverse import Eigen, decompose, precondition
+from parallel.kfac.layers import Layer, find_layers, serial_type
+from parallel.parallelize import ParallelModule
+
+log = logging.getLogger("parallel.kfac")
+
+
+class KFAC(torch.optim.SGD):
+    """K-FAC preconditioning of Conv3d, ConvTranspose3d and Linear gradients, then SGD.
+
+    ``model`` is the serial model or its ``ParallelModule`` (unwrapped: layer names and
+    state keys are the serial model's); ``grid`` is None for a single process. Every
+    parameter of the model is optimised; layers not preconditioned take the plain update.
+    ``grad_scaler``: the fp16 ``GradScaler`` whose scale the captured output gradients carry.
+    """
+
+    def __init__(self, model: nn.Module, grid: Any = None, cfg: KFACConfig | None = None, *, lr: float,
+                 momentum: float = 0.9, nesterov: bool = False, weight_decay: float = 0.0,
+                 grad_scaler: Any = None) -> None:
+        module = model.module if isinstance(model, ParallelModule) else model
+        super().__init__(module.parameters(), lr=lr, momentum=momentum,
+                         nesterov=nesterov, weight_decay=weight_decay)
+        self.cfg = cfg if cfg is not None else KFACConfig()
+        self.cfg.validate()
+        self.grid = grid
+        self.grad_scaler = grad_scaler
+        self.layers, skipped = find_layers(module, self.cfg)
+        for name, why in skipped:
+            log.info("kfac: layer '%s' takes the plain update (%s)", name, why)
+        log.info("kfac: preconditioning %d layers: %s", len(self.layers),
+                 ", ".join(f"{layer.name} ({serial_type(layer.module)} A {layer.dim_a} G {layer.dim_g})"
+                           for layer in self.layers))
+        self.steps = 0
+        self.factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.eigen: dict[str, tuple[Eigen, Eigen]] = {}
+        self.last_nu: torch.Tensor | None = None
+        self.recorder = Recorder(self.layers, self.cfg)
+        self.recorder.arm(self.captures(self.steps))
+
+    # -- the schedule of the work --------------------------------------------------------
+    def captures(self, step: int) -> bool:
+        """Whether optimiser step ``step`` (from 0) updates the factors."""
+        return step % self.cfg.factor_interval == 0
+
+    def decomposes(self, step: int) -> bool:
+        return step % self.cfg.inverse_interval == 0
+
+    # -- one step ----------------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients and drop the statistics captured since the last step."""
+        super().zero_grad(set_to_none=set_to_none)
+        self.recorder.clear()
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            self._precondition()
+        super().step()
+        self.steps += 1
+        self.recorder.clear()
+        self.recorder.arm(self.captures(self.steps))
+        return loss
+
+    def _precondition(self) -> None:
+        cfg = self.cfg
+        if self.captures(self.steps):
+            self.update_factors()
+        if self.decomposes(self.steps):
+            self.update_eigen()
+        lr_of = {id(p): group["lr"] for group in self.param_groups for p in group["params"]}
+        done: list[tuple[Layer, torch.Tensor]] = []
+        vg = None
+        for layer in self.layers:
+            eig = self.eigen.get(layer.key)
+            v = layer.grad_matrix()
+            if eig is None or v is None:
+                continue
+            p = precondition(v, eig[0], eig[1], cfg.damping)
+            term = (p * v.to(p.dtype)).sum() * lr_of[id(layer.weight)] ** 2
+            vg = term if vg is None else vg + term
+            done.append((layer, p))
+        if not done:
+            self.last_nu = None
+            return
+        nu = torch.ones((), dtype=done[0][1].dtype, device=done[0][1].device)
+        if cfg.kl_clip > 0:
+            nu = torch.clamp(torch.sqrt(cfg.kl_clip / vg.abs()), max=1.0)  # type: ignore[union-attr]
+        self.last_nu = nu
+        for layer, p in done:
+            layer.set_grad(p * nu)
+
+    def update_factors(self) -> None:
+        """Reduce this step's statistics and fold them into the running averages (collective)."""
+        scale = 1.0
+        if self.grad_scaler is not None and self.grad_scaler.is_enabled():
+            scale = float(self.grad_scaler.get_scale())
+        new = reduce_factors(self.layers, self.cfg.factor_dtype.torch, self.grid, scale)
+        decay = self.cfg.factor_decay
+        for layer, fresh in zip(self.layers, new):
+            if fresh is None:
+                continue
+            old = self.factors.get(layer.key)
+            # Out of place: a state_dict taken earlier keeps its values.
+            self.factors[layer.key] = fresh if old is None else (
+                old[0] * decay + fresh[0] * (1 - decay), old[1] * decay + fresh[1] * (1 - decay))
+
+    def update_eigen(self) -> None:
+        """Eigendecompose every factor, spread over the ranks (collective)."""
+        have = [layer for layer in self.layers if layer.key in self.factors]
+        mats = [m for layer in have for m in self.factors[layer.key]]
+        if not mats:
+            return
+        grid = self.grid
+        world, rank = (grid.world_size, grid.rank) if grid is not None else (1, 0)
+        results = decompose(mats, self.cfg.inverse_dtype.torch, grid.world_group if grid is not None else None,
+                            world, rank)
+        self.eigen = {layer.key: (results[2 * i], results[2 * i + 1]) for i, layer in enumerate(have)}
+
+    # -- state -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """SGD's state plus ``kfac``: the step counter and, per layer (keyed by the serial
+        weight's name), factors ``A``, ``G`` and eigendecompositions ``QA``, ``lA``, ``QG``,
+        ``lG``: plain tensors and ints, the same on every rank and at every grid."""
+        sd = super().state_dict()
+        layers: dict[str, dict[str, torch.Tensor]] = {}
+        for key, (a, g) in self.factors.items():
+            entry = {"A": a, "G": g}
+            if key in self.eigen:
+                (qa, la), (qg, lg) = self.eigen[key]
+                entry.update(QA=qa, lA=la, QG=qg, lG=lg)
+            layers[key] = entry
+        sd["kfac"] = {"steps": self.steps, "layers": layers}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state saved at any grid. A state without ``kfac`` (an SGD checkpoint)
+        starts the factors afresh; layers no longer preconditioned are dropped (logged)."""
+        kf = state_dict.get("kfac")
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "kfac"})
+        self.factors, self.eigen = {}, {}
+        if kf is None:
+            log.warning("kfac: the optimiser state has no K-FAC part (an SGD checkpoint?): factors start afresh")
+            self.steps = 0
+        else:
+            self.steps = int(kf["steps"])
+            by_key = {layer.key: layer for layer in self.layers}
+            for key, entry in kf["layers"].items():
+                layer = by_key.get(key)
+                if layer is None:
+                    log.warning("kfac: state for '%s' dropped: the layer is not preconditioned now", key)
+                    continue
+                self._load_layer(layer, entry)
+        self.recorder.clear()
+        self.recorder.arm(self.captures(self.steps))
+
+    def _load_layer(self, layer: Layer, entry: dict[str, torch.Tensor]) -> None:
+        device = layer.weight.device
+        want = {"A": (layer.dim_a,) * 2, "G": (layer.dim_g,) * 2, "QA": (layer.dim_a,) * 2, "lA": (layer.dim_a,),
+                "QG": (layer.dim_g,) * 2, "lG": (layer.dim_g,)}
+        for name, t in entry.items():
+            if name not in want or tuple(t.shape) != want[name]:
+                raise ValueError(f"kfac state of '{layer.key}': {name} has shape {tuple(t.shape)}, but the layer "
+                                 f"needs {want.get(name, 'no such entry')}")
+        fdt, idt = self.cfg.factor_dtype.torch, self.cfg.inverse_dtype.torch
+        self.factors[layer.key] = (entry["A"].to(device, fdt), entry["G"].to(device, fdt))
+        if all(k in entry for k in ("QA", "lA", "QG", "lG")):
+            self.eigen[layer.key] = ((entry["QA"].to(device, idt), entry["lA"].to(device, idt)),
+                                     (entry["QG"].to(device, idt), entry["lG"].to(device, idt)))
+
+    def remove_hooks(self) -> None:
+        """Detach from the model (its layers then run as without K-FAC)."""
+        self.recorder.remove()

@@ -1,0 +1,69 @@
+"""K-FAC at spatial x data grids equals the plain serial K-FAC (float64), on real gloo ranks:
+steps, distributed eigendecompositions, and a state saved at one grid resumed at another."""
+
+import pytest
+
+import kfac_cases
+
+# (id, world size, spatial split)
+GRIDS = [
+    ("spatial-2x1x1", 2, (2, 1, 1)),
+    ("data2-spatial-1x1x1", 2, (1, 1, 1)),
+    ("spatial-2x2x1", 4, (2, 2, 1)),
+    ("data2-spatial-2x1x1", 4, (2, 1, 1)),
+]
+
+
+@pytest.mark.parametrize("world,spatial", [g[1:] for g in GRIDS], ids=[g[0] for g in GRIDS])
+def test_kfac_steps_equal_serial(pools, world, spatial):
+    # 5 steps: factors every step (running averages), eigendecompositions at steps 0, 2, 4
+    # (steps 1 and 3 reuse them), the KL clip active.
+    results = pools.run(world, kfac_cases.check_steps, 5, kfac_cases.settings(), spatial=spatial, timeout=300)
+    for r in results:
+        assert len(r["layers"]) == 7 and r["moved"] > 1e-3
+        assert min(r["nus"]) < 1.0  # the KL clip took part
+    assert all(r["nus"] == results[0]["nus"] for r in results)
+
+
+def test_kfac_unet_like_voxel_output_equals_serial(pools):
+    # A loss over voxels (spatial sums, no replicated output), k2 s2 down and up, 'same' k4.
+    results = pools.run(4, kfac_cases.check_steps, 4, kfac_cases.settings(), (), 0, "unet", spatial=(2, 2, 1),
+                        timeout=300)
+    assert len(results[0]["layers"]) == 5 and results[0]["moved"] > 1e-3
+
+
+def test_kfac_with_overlapped_halo_equals_serial(pools):
+    # Factor steps (even) take the plain path for the window; odd steps run overlapped.
+    kw = kfac_cases.settings(factor_interval=2, inverse_interval=2)
+    pools.run(2, kfac_cases.check_steps, 4, kw, (), 0, "main", True, spatial=(2, 1, 1), timeout=300)
+
+
+def test_costs_count_the_bytes_a_step_reduces_and_broadcasts(pools):
+    for r in pools.run(4, kfac_cases.measured_traffic, kfac_cases.settings(), spatial=(2, 1, 1), timeout=300):
+        assert r["world"] == r["costs_world"] > 0
+        assert r["spatial"] == r["costs_spatial"] > 0
+        assert r["broadcast"] == r["costs_broadcast"] > 0
+
+
+def test_kfac_intervals_and_exclusion_equal_serial(pools):
+    # Factors every 2nd step, eigendecompositions every 4th; the Flatten+Linear excluded
+    # (plain update) while its neighbours are preconditioned.
+    kw = kfac_cases.settings(factor_interval=2, inverse_interval=4)
+    results = pools.run(4, kfac_cases.check_steps, 6, kw, ("11",), spatial=(2, 2, 1), timeout=300)
+    assert "11" not in results[0]["layers"] and len(results[0]["layers"]) == 6
+
+
+def test_kfac_resume_at_another_grid(pools):
+    kw = kfac_cases.settings()
+    # 3 steps at spatial 2x1x1 (eigendecompositions at steps 0 and 2), then resume at data 2 x
+    # spatial 2x1x1: step 3 must use the loaded eigendecompositions, step 4 new ones.
+    saved = pools.run(2, kfac_cases.run_and_save, 3, kw, spatial=(2, 1, 1), timeout=300)[0]
+    worst = pools.run(4, kfac_cases.resume_and_check, saved, 3, 6, kw, spatial=(2, 1, 1), timeout=300)
+    assert max(worst) <= kfac_cases.RTOL
+
+
+def test_eigendecompositions_spread_over_ranks_equal_local(pools):
+    dims = [40, 7, 33, 12, 5, 21]
+    owners = pools.run(4, kfac_cases.decompose_matches, dims, spatial=(2, 2, 1), timeout=120)
+    # Longest first to the least loaded: 40^3 -> 0, 33^3 -> 1, 21^3 -> 2, then 12^3, 7^3, 5^3 -> 3.
+    assert all(o == [0, 3, 1, 3, 3, 2] for o in owners)
