@@ -94,7 +94,7 @@ def probe_shape(model: nn.Module, grid: Grid, channels: int | None = None, reach
     data group. The factor comes from a dry run on the meta device (no memory, no work)."""
     channels = _in_channels(model) if channels is None else channels
     factors = _downsampling(model, channels, reach)
-    return (grid.data_size, channels, *(f * max(2, s) for f, s in zip(factors, grid.spatial)))
+    return (grid.data_size, channels, *(max(f * max(2, s), 4) for f, s in zip(factors, grid.spatial)))
 
 
 def _leaves(out: Any) -> list[torch.Tensor]:
@@ -165,9 +165,9 @@ def _difference(got: torch.Tensor, ref: torch.Tensor, replicated: bool, grid: Gr
     """Max difference of this rank's part against the serial tensor, relative to the
     serial tensor's largest value (or ``floor``, for tensors that are zero in exact maths)."""
     expected = ref
-    if got.dim() == 5 and ref.dim() == 5 and not replicated:
+    if got.dim() >= 5 and ref.dim() == got.dim() and not replicated:  # volumes: D, H, W are the last dims
         try:
-            block = ref[(slice(None), slice(None)) + grid.block_slices(ref.shape[2:])]
+            block = ref[(...,) + grid.block_slices(ref.shape[-3:])]
         except SplitError:
             block = None
         if block is not None and got.shape == block.shape:
@@ -292,8 +292,8 @@ def _compare(serial: nn.Module, pmodel: ParallelModule, x: torch.Tensor, grid: G
         local = []
         for o, w, s in zip(outs, weights, ref_outs):
             part = w
-            if o.dim() == 5 and w.dim() == 5 and o.shape != w.shape:
-                part = w[(slice(None), slice(None)) + grid.block_slices(w.shape[2:])]
+            if o.dim() >= 5 and w.dim() == o.dim() and o.shape != w.shape:
+                part = w[(...,) + grid.block_slices(w.shape[-3:])]
             local.append(part)
         _loss(outs, local).backward()
         report.update(_check_grads(pmodel.module, ref_grads, grid, rtol))
