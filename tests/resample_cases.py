@@ -72,3 +72,26 @@ class Excite(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.conv(x)
         return y * self.squeeze(y)
+
+
+def replicated_volume_output(grid: Grid) -> float:
+    """A model whose output is the global pool's (N, C, 1, 1, 1) itself: the same on every
+    rank, its gradient counted once (the weight gradients equal the serial ones)."""
+    import copy
+
+    import parallel
+
+    torch.manual_seed(0)
+    serial = nn.Sequential(nn.Conv3d(2, 3, 3, padding=1), nn.AdaptiveMaxPool3d(1)).double()
+    pmodel = parallel.parallelize(copy.deepcopy(serial), grid)
+    x = torch.randn(2, 2, 6, 5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    w = torch.randn(2, 3, 1, 1, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    ref = serial(x)
+    (ref * w).sum().backward()
+    out = pmodel(parallel.scatter(x, grid))
+    cases.assert_close(out.detach(), ref.detach(), "replicated output")
+    (out * w).sum().backward()
+    worst = 0.0
+    for (name, p), q in zip(pmodel.module.named_parameters(), serial.parameters()):
+        worst = max(worst, cases.assert_close(p.grad, q.grad, f"grad of {name}", rtol=1e-12))
+    return worst

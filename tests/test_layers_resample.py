@@ -121,3 +121,7 @@ ERRORS = [
 def test_unsplittable_resampling_is_refused_with_the_numbers(pools, build, shape, spatial, expected):
     messages = pools.run(math.prod(spatial), cases.expect_error, build, shape, spatial=spatial, timeout=60)
     assert all(re.search(expected, m) for m in messages), messages
+
+
+def test_a_replicated_volume_as_model_output_counts_its_gradient_once(pools):
+    pools.run(4, rc.replicated_volume_output, spatial=(1, 2, 2))
