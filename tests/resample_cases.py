@@ -46,6 +46,13 @@ def classifier_head(channels: int = 3) -> nn.Module:
                          nn.Flatten(), nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 2))
 
 
+def pool_relu_head() -> nn.Module:
+    """An out-of-place ReLU between the global pool and Flatten drops the replicated mark;
+    the Linear still sees a whole (N, C, 1, 1, 1) and runs as the serial layer."""
+    return nn.Sequential(nn.Conv3d(3, 4, 3, padding=1), nn.AdaptiveMaxPool3d(1), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(4, 2))
+
+
 class ViewHead(nn.Module):
     """A global max pool, ``x.view(n, -1)`` and a Linear, as torchvision-style ResNets do."""
 

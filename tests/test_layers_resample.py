@@ -64,6 +64,7 @@ HEADS = [
     ("global-pool-flatten-linear-D2", rc.classifier_head, (2, 3, 6, 4, 4), D2),
     ("global-pool-flatten-linear-1x2x2", rc.classifier_head, (1, 3, 4, 6, 5), (1, 2, 2)),
     ("global-pool-flatten-linear-data2-spatial2", rc.classifier_head, (4, 3, 6, 4, 4), D2 + ("data2",)),
+    ("global-pool-relu-flatten-linear-W4", rc.pool_relu_head, (2, 3, 3, 4, 9), W4),
     ("global-max-view-linear-2x2x1", rc.ViewHead, (2, 2, 6, 5, 4), (2, 2, 1)),
     ("squeeze-excite-replicated-times-block-W4", rc.Excite, (2, 2, 3, 4, 9), W4),
     ("squeeze-excite-data2-spatial2", rc.Excite, (4, 2, 4, 6, 3), (1, 2, 1, "data2")),

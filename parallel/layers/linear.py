@@ -43,8 +43,12 @@ class SpatialLinear(SpatialMixin, nn.Linear):
     """``nn.Linear`` applied to the flattened distributed volume (partial product + sum)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 5:  # replicated features (a global pool, flattened): the serial layer
+        # Replicated features (after a global pool) take the serial layer: flattened, or a whole
+        # (N, C, 1, 1, 1) whose mark an out-of-place op dropped (a split block is always smaller).
+        if x.dim() != 5:
             return super().forward(x)
+        if x[0].numel() == self.in_features:
+            return super().forward(x.flatten(1))
         dims = self.global_dims(x)
         c = x.shape[1]
         if c * dims[0] * dims[1] * dims[2] != self.in_features:
