@@ -3,6 +3,7 @@
 >>> grid = parallel.init(spatial=(2, 1, 1))        # from torchrun, mpirun, srun or python
 >>> pmodel = parallel.parallelize(model, grid)      # the serial model's parallel form
 >>> y = pmodel(parallel.scatter(x, grid))           # this rank's block in, its block out
+>>> parallel.parallelize(model, grid, verify=True)  # also check against the serial model once
 """
 
 from parallel.comm import all_reduce_sum, replicated_grad, spatial_sum
@@ -11,8 +12,9 @@ from parallel.launch import destroy, init
 from parallel.parallelize import ParallelModule, parallelize
 from parallel.partition import SplitError, block_bounds
 from parallel.scatter import gather, scatter
+from parallel import verify  # parallel.verify.verify(serial, pmodel, probe): the check against serial
 
 __all__ = [
     "Grid", "ParallelModule", "SplitError", "all_reduce_sum", "block_bounds", "destroy", "gather",
-    "init", "parallelize", "replicated_grad", "scatter", "spatial_sum",
+    "init", "parallelize", "replicated_grad", "scatter", "spatial_sum", "verify",
 ]

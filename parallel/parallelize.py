@@ -9,8 +9,9 @@ a model that runs serially runs split, with the same numbers.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence, Union
 
 import torch
 from torch import nn
@@ -19,22 +20,36 @@ from parallel import comm
 from parallel.comm import replicated_grad
 from parallel.gradsync import GradSync
 from parallel.grid import Grid
-from parallel.layers.base import convert
+from parallel.layers.adaptive import SpatialAdaptiveAvgPool3d, SpatialAdaptiveMaxPool3d
+from parallel.layers.base import SpatialMixin, convert
 from parallel.layers.conv import SpatialConv3d, SpatialConvTranspose3d
 from parallel.layers.dropout import SpatialDropout, SpatialDropout3d
 from parallel.layers.linear import SpatialFlatten, SpatialLinear
 from parallel.layers.norm import SpatialBatchNorm3d, SpatialGroupNorm, SpatialInstanceNorm3d
+from parallel.layers.pad import SpatialCircularPad3d, SpatialConstantPad3d, SpatialZeroPad3d
 from parallel.layers.pool import SpatialAvgPool3d, SpatialMaxPool3d
+from parallel.layers.replicated import is_replicated
 from parallel.layers.shapes import ShapeTracker, infer_global_dims
+from parallel.layers.upsample import SpatialUpsample
 from parallel.recompute import checkpoint_blocks
 
 log = logging.getLogger("parallel")
+
+# What ``parallelize(..., verify=...)`` accepts: off (None, False), True (a probe sized from
+# the network), a probe shape (N, C, D, H, W) or a global probe tensor.
+Probe = Union[None, bool, Sequence[int], torch.Tensor]
 
 SPATIAL_TWINS: dict[type, type] = {
     nn.Conv3d: SpatialConv3d,
     nn.ConvTranspose3d: SpatialConvTranspose3d,
     nn.MaxPool3d: SpatialMaxPool3d,
     nn.AvgPool3d: SpatialAvgPool3d,
+    nn.AdaptiveAvgPool3d: SpatialAdaptiveAvgPool3d,
+    nn.AdaptiveMaxPool3d: SpatialAdaptiveMaxPool3d,
+    nn.Upsample: SpatialUpsample,
+    nn.ConstantPad3d: SpatialConstantPad3d,
+    nn.ZeroPad3d: SpatialZeroPad3d,
+    nn.CircularPad3d: SpatialCircularPad3d,
     nn.BatchNorm3d: SpatialBatchNorm3d,
     nn.SyncBatchNorm: SpatialBatchNorm3d,
     nn.InstanceNorm3d: SpatialInstanceNorm3d,
@@ -43,24 +58,57 @@ SPATIAL_TWINS: dict[type, type] = {
     nn.Dropout3d: SpatialDropout3d,
 }
 
-# Layers whose maths spans space in a way no spatial twin covers yet: refuse, don't guess.
-UNSUPPORTED = (
-    nn.Conv1d, nn.Conv2d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.MaxPool1d, nn.MaxPool2d,
-    nn.AvgPool1d, nn.AvgPool2d, nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool3d, nn.LPPool3d,
-    nn.Upsample, nn.LayerNorm, nn.LocalResponseNorm, nn.FractionalMaxPool3d, nn.MaxUnpool3d,
-    nn.Unflatten, nn.PixelShuffle, nn.LazyConv3d,
-)
+_NO_FORM = "has no spatial-parallel form; run it on a gathered tensor or change the model"
+
+# Layers whose maths spans space in a way no spatial twin covers: refused by name, not guessed.
+UNSUPPORTED: dict[type, str] = {
+    **{t: _NO_FORM for t in (
+        nn.Conv1d, nn.Conv2d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.MaxPool1d, nn.MaxPool2d,
+        nn.AvgPool1d, nn.AvgPool2d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool1d,
+        nn.AdaptiveMaxPool2d, nn.LPPool3d, nn.LocalResponseNorm, nn.FractionalMaxPool3d, nn.MaxUnpool3d,
+        nn.Unflatten, nn.LazyConv3d, nn.LazyConvTranspose3d, nn.Fold, nn.Unfold)},
+    nn.LayerNorm: "normalises over the trailing dims (W, or H and W, of a 5-D tensor) per voxel row; "
+                  "no spatial-parallel form (use GroupNorm or InstanceNorm3d, or put it after a global pool)",
+    nn.PixelShuffle: "moves channels into D/H/W in blocks of the scale factor; no spatial-parallel form",
+    nn.PixelUnshuffle: "moves D/H/W blocks into channels; no spatial-parallel form",
+    nn.ReflectionPad3d: "mirrors voxels at the volume's edges, which the halo exchange does not provide "
+                        "(use ConstantPad3d, ZeroPad3d or CircularPad3d)",
+    nn.ReplicationPad3d: "repeats the volume's edge voxels, which the halo exchange does not provide "
+                         "(use ConstantPad3d, ZeroPad3d or CircularPad3d)",
+}
+
+# Known networks whose own forward does what a split cannot (checked by qualified class
+# name, so the package need not be installed): refused with the reason.
+KNOWN_UNSPLITTABLE: dict[str, str] = {
+    "monai.networks.nets.segresnet.SegResNetVAE":
+        "its forward flattens the encoder's split output with view(-1, in_features) (mixing D/H/W) and "
+        "computes the VAE loss with F.mse_loss over the volume inside the model; use SegResNet or SegResNetDS",
+}
+
+
+def refusal(name: str, layer: nn.Module) -> str | None:
+    """Why ``layer`` (named ``name``) cannot be split, or None when it can."""
+    cls = type(layer)
+    qual = f"{cls.__module__}.{cls.__qualname__}"
+    if qual in KNOWN_UNSPLITTABLE:
+        return f"'{name}' ({cls.__name__}) cannot be split in space: {KNOWN_UNSPLITTABLE[qual]}"
+    for kind, reason in UNSUPPORTED.items():
+        if isinstance(layer, kind):
+            return f"layer '{name}' ({cls.__name__}) {reason}"
+    if isinstance(layer, (nn.Conv3d, nn.ConvTranspose3d)) and layer.padding_mode not in ("zeros", "circular"):
+        return (f"layer '{name}' ({cls.__name__}): padding_mode '{layer.padding_mode}' is not supported under "
+                "spatial parallelism (use 'zeros' or 'circular'): it needs mirrored or edge voxels of the volume")
+    if isinstance(layer, nn.ConvTranspose3d) and layer.padding_mode != "zeros":
+        return f"layer '{name}' (ConvTranspose3d): only 'zeros' padding exists in torch"
+    if isinstance(layer, nn.Upsample) and cls not in SPATIAL_TWINS and not isinstance(layer, SpatialMixin):
+        return f"layer '{name}' ({cls.__name__}) is a 2-D upsampling layer; use nn.Upsample"
+    return None
 
 
 def _check_supported(name: str, layer: nn.Module) -> None:
-    if isinstance(layer, UNSUPPORTED):
-        raise NotImplementedError(f"layer '{name}' ({type(layer).__name__}) has no spatial-parallel "
-                                  "form; run it on a gathered tensor or change the model")
-    if isinstance(layer, (nn.Conv3d, nn.ConvTranspose3d)) and layer.padding_mode not in ("zeros", "circular"):
-        raise NotImplementedError(f"layer '{name}' (Conv3d): padding_mode '{layer.padding_mode}' is not "
-                                  "supported under spatial parallelism (use 'zeros' or 'circular')")
-    if isinstance(layer, nn.ConvTranspose3d) and layer.padding_mode != "zeros":
-        raise NotImplementedError(f"layer '{name}' (ConvTranspose3d): only 'zeros' padding exists in torch")
+    reason = refusal(name, layer)
+    if reason is not None:
+        raise NotImplementedError(reason)
 
 
 def _convert_children(parent: nn.Module, prefix: str, grid: Grid, shapes: ShapeTracker,
@@ -70,12 +118,12 @@ def _convert_children(parent: nn.Module, prefix: str, grid: Grid, shapes: ShapeT
         full = f"{prefix}{name}"
         if isinstance(child, nn.Flatten):
             nxt = children[i + 1][1] if i + 1 < len(children) else None
+            flat = convert(child, SpatialFlatten, grid, shapes, full)
+            setattr(parent, name, flat)
             if not isinstance(parent, nn.Sequential) or not isinstance(nxt, nn.Linear) or child.start_dim != 1 \
                     or child.end_dim != -1:
-                raise NotImplementedError(
-                    f"layer '{full}' (Flatten): a flattened block is only supported as Flatten(start_dim=1) "
-                    "directly followed by a Linear in an nn.Sequential (partial product + all-reduce)")
-            setattr(parent, name, convert(child, SpatialFlatten, grid, shapes, full))
+                flat.feeds_linear = False  # fine after a global pool; refused at run time on a split block
+                continue
             lin_name = children[i + 1][0]
             setattr(parent, lin_name, convert(nxt, SpatialLinear, grid, shapes, f"{prefix}{lin_name}"))
             children[i + 1] = (lin_name, getattr(parent, lin_name))
@@ -143,7 +191,7 @@ class ParallelModule(nn.Module):
 
     def _mark_replicated(self, out: Any) -> Any:
         if isinstance(out, torch.Tensor):
-            return replicated_grad(out, self.grid) if out.dim() < 5 else out
+            return replicated_grad(out, self.grid) if out.dim() < 5 or is_replicated(out) else out
         if isinstance(out, (tuple, list)):
             return type(out)(self._mark_replicated(o) for o in out)
         if isinstance(out, dict):
@@ -168,7 +216,7 @@ class ParallelModule(nn.Module):
 
 def parallelize(model: nn.Module, grid: Grid, *, sync_batchnorm: bool = False,
                 bucket_mb: float = 25.0, seed: int | None = None, overlap_halo: bool | None = None,
-                recompute: bool = False) -> ParallelModule:
+                recompute: bool = False, verify: Probe = None) -> ParallelModule:
     """The hybrid-parallel form of ``model`` for ``grid`` (layers converted in place).
 
     ``sync_batchnorm`` makes BatchNorm statistics span the data groups too (the global
@@ -179,10 +227,17 @@ def parallelize(model: nn.Module, grid: Grid, *, sync_batchnorm: bool = False,
     ``docs/performance.md``);
     ``recompute`` keeps only each block's input and recomputes the block in the backward
     (``parallel.recompute``): less memory, about one more forward of time.
+    ``verify`` (a probe: True for one sized from the network, a shape (N, C, D, H, W), or a
+    global tensor) runs the serial model and the split model once on the probe and raises
+    ``parallel.verify.VerificationError`` naming the first module whose output (or the
+    first parameter whose gradient) differs (``parallel.verify``).
     """
     model.to(grid.device)
+    serial = _serial_copy(model) if verify is not None and verify is not False else None
     shapes = ShapeTracker(grid)
     if grid.spatial_size > 1 or sync_batchnorm:
+        if grid.spatial_size > 1:
+            _check_supported(type(model).__name__, model)
         root = SPATIAL_TWINS.get(type(model))
         if root is not None:  # a single layer parallelised on its own
             _check_supported(type(model).__name__, model)
@@ -202,4 +257,14 @@ def parallelize(model: nn.Module, grid: Grid, *, sync_batchnorm: bool = False,
         for tensor in list(model.parameters()) + list(model.buffers()):
             comm.broadcast_(tensor.data, 0, grid.world_group)
     log.debug("parallelised %s over %s", type(model).__name__, grid.describe())
-    return ParallelModule(model, grid, shapes, bucket_mb)
+    pmodel = ParallelModule(model, grid, shapes, bucket_mb)
+    if serial is not None:
+        from parallel.verify import verify as run_verify  # parallel.verify imports this module
+
+        run_verify(serial, pmodel, None if verify is True else verify)  # type: ignore[arg-type]
+    return pmodel
+
+
+def _serial_copy(model: nn.Module) -> nn.Module:
+    """The serial model to verify against (the weights are taken from the split model later)."""
+    return copy.deepcopy(model)

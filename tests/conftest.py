@@ -48,6 +48,8 @@ TIERS = {
     "test_kfac": "unit",
     "test_kfac_grid": "ranks",
     "test_layers": "ranks",
+    "test_layers_resample": "ranks",
+    "test_monai": "ranks",
     "test_models": "unit",
     "test_overlap": "ranks",
     "test_parallelize": "ranks",
@@ -62,6 +64,7 @@ TIERS = {
     "test_train_equivalence": "launch",
     "test_train_resume": "launch",
     "test_train_state": "unit",
+    "test_verify": "ranks",
     "test_watchdog": "unit",
 }
 

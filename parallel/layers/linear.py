@@ -6,6 +6,9 @@ Each rank multiplies its block by the matching slice of the weight (viewed as
 result is replicated on every rank of the group. The weight stays whole (the serial
 parameter, so ``state_dict`` keys and the optimiser are unchanged); each rank's gradient
 is non-zero only in its slice, and the gradient sync's spatial sum assembles it.
+
+After a global pool the features are replicated, not split: Flatten and Linear then run
+as the serial layers on every rank (``parallel.layers.replicated``).
 """
 
 from __future__ import annotations
@@ -18,12 +21,23 @@ from torch import nn
 
 from parallel.comm import all_reduce_sum
 from parallel.layers.base import SpatialMixin
+from parallel.layers.replicated import is_replicated
 
 
 class SpatialFlatten(SpatialMixin, nn.Flatten):
-    """Passes the 5-D block through: the following ``SpatialLinear`` needs its shape."""
+    """Passes the 5-D block through: the following ``SpatialLinear`` needs its shape.
+    A replicated tensor (after a global pool) is flattened as in the serial model."""
+
+    feeds_linear: bool = True  # False: a Flatten with no Linear after it (set by parallelize)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if is_replicated(x) or x.dim() != 5:
+            return super().forward(x)
+        if not self.feeds_linear:
+            raise NotImplementedError(
+                f"{self.where}: flattening a split 5-D block is only supported as Flatten(start_dim=1) directly "
+                "followed by a Linear in an nn.Sequential (partial product + all-reduce), or after a global pool "
+                f"(a replicated tensor); got a block of shape {tuple(x.shape)}")
         return x
 
 
@@ -35,6 +49,12 @@ class SpatialLinear(SpatialMixin, nn.Linear):
     ``parallel.kfac``, which assembles the flattened features."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Replicated features (after a global pool) take the serial layer: flattened, or a whole
+        # (N, C, 1, 1, 1) whose mark an out-of-place op dropped (a split block is always smaller).
+        if x.dim() != 5:
+            return super().forward(x)
+        if x[0].numel() == self.in_features:
+            return super().forward(x.flatten(1))
         dims = self.global_dims(x)
         c = x.shape[1]
         if c * dims[0] * dims[1] * dims[2] != self.in_features:
