@@ -131,22 +131,24 @@ def choose_chunks(volume: Sequence[int], splits: Sequence[Sequence[int]], channe
 
 
 def choose_crop_chunks(volume: Sequence[int], crop: Sequence[int], splits: Sequence[Sequence[int]],
-                       channels: int | None) -> tuple[int, ...]:
+                       channels: int | None, codec: str = "none") -> tuple[int, ...]:
     """A chunk shape (with leading sample axis) for reading blocks of crops at any offset.
 
     A block of ``L`` voxels along a dim at a random offset touches about ``L + c - 1``
-    voxels of chunks of edge ``c``. Unfiltered chunks are read in place (only the block's
-    voxels), so the edge only sets the chunk index's size; a codec decodes whole chunks,
-    so there the edge sets the overhead, about ``c / L`` per dim. The edge is the largest
-    power of two at most 1/8 of the smallest crop block of ``splits`` along the dim
-    (e.g. crop 128 split 2: blocks of 64, edge 8), kept within [8, 32] and the case.
+    voxels of chunks of edge ``c``. A codec decodes whole chunks, so there the edge sets
+    the overhead (about ``c / L`` per dim): the largest power of two at most ``L / 8``,
+    within [8, 32]. Unfiltered chunks are read in place (only the block's voxels), so the
+    edge only sets the size of the chunk index, which is read too: the largest power of
+    two at most ``L / 2``, within [8, 64]. ``L`` is the smallest block of the crop over
+    ``splits`` along the dim (crop 128 split 2: 64, so edges 8 with a codec, 32 without).
     """
     splits = [tuple(int(s) for s in sp) for sp in splits] or [(1, 1, 1)]
+    share, top = (8, 32) if codec != "none" else (2, 64)
     edges = []
     for axis, (n, c) in enumerate(zip(volume, crop)):
         block = max(int(c) // max(sp[axis] for sp in splits), 1)
-        edge = 1 << max((block // 8).bit_length() - 1, 0)
-        edges.append(max(1, min(max(edge, MIN_CHUNK_EDGE), 32, int(n))))
+        edge = 1 << max((block // share).bit_length() - 1, 0)
+        edges.append(max(1, min(max(edge, MIN_CHUNK_EDGE), top, int(n))))
     return (1,) + ((channels,) if channels is not None else ()) + tuple(edges)
 
 
@@ -249,7 +251,7 @@ def create_datasets(f: h5py.File, spec: SampleSpec, shapes: Mapping[str, tuple[S
                 raise ValueError(f"{f.filename}: field {fs.name!r} has sample shape {shape[1:]}, "
                                  f"spec wants {fs.sample_shape(volume)}")
             if crop is not None:
-                chunks = choose_crop_chunks(volume, crop, splits, fs.channels)
+                chunks = choose_crop_chunks(volume, crop, splits, fs.channels, codec)
             else:
                 chunks = choose_chunks(volume, splits, fs.channels, np.dtype(fs.dtype).itemsize, chunk_bytes)
             f.create_dataset(fs.name, shape=shape, dtype=fs.dtype, chunks=chunks, **codec_kwargs(codec))
