@@ -305,7 +305,7 @@ class MLPerfConfig:
     """submission_platform."""
     usage: Optional[Usage] = None
     """Ruleset family of the log: ``hpc`` (CosmoFlow, HPC 3.0.0) or ``training`` (the
-    U-Net, Training 4.0.0: its key names); None: the model family's."""
+    U-Net, Training 4.0.0: its key names); None: ``hpc``. Each family's job sets its own."""
 
 
 @dataclass

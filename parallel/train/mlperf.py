@@ -105,7 +105,7 @@ def log_submission(ml: MLPerfLog, cfg: JobConfig, grid: Grid, benchmark: str, n_
     ml.event("accelerators_per_node", accel)
     ml.event("spatial_split", list(grid.spatial))
     ml.event(c.GLOBAL_BATCH_SIZE, cfg.train.global_batch_size)
-    training = usage(cfg, benchmark) == "training"
+    training = usage(cfg) == "training"
     ml.event("gradient_accumulation_steps" if training else "gradient_accumulation_frequency", cfg.train.accum_steps)
     ml.event(c.OPT_NAME, cfg.optim.name)
     from parallel.train.optim import peak_lr
@@ -127,11 +127,10 @@ def log_submission(ml: MLPerfLog, cfg: JobConfig, grid: Grid, benchmark: str, n_
         log_segmentation(ml, cfg)
 
 
-def usage(cfg: JobConfig, benchmark: str) -> str:
-    """The ruleset family of the run's log: ``mlperf.usage``, else by benchmark."""
-    if cfg.mlperf.usage is not None:
-        return str(cfg.mlperf.usage)
-    return "training" if (cfg.mlperf.benchmark or benchmark) == "unet3d" else "hpc"
+def usage(cfg: JobConfig) -> str:
+    """The ruleset family of the run's log: ``mlperf.usage`` (a family's job sets it),
+    else ``hpc``."""
+    return str(cfg.mlperf.usage) if cfg.mlperf.usage is not None else "hpc"
 
 
 def log_segmentation(ml: MLPerfLog, cfg: JobConfig) -> None:
