@@ -18,14 +18,17 @@ from parallel.train.family import Family, register
 
 @dataclass
 class CosmoFlowJob(JobConfig):
-    """A CosmoFlow training job; defaults are the MLPerf HPC reference settings."""
+    """A CosmoFlow training job; defaults are the MLPerf HPC reference settings, its
+    schedule as the reference computes it (LR held per epoch, the decay after each
+    boundary, momentum in Keras' form)."""
 
     model: CosmoFlowConfig = field(default_factory=CosmoFlowConfig)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(global_batch_size=64, epochs=128))
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(name="sgd", lr=0.001, lr_scale_batch=64,
-                                                                   momentum=0.9))
+                                                                   momentum=0.9, momentum_form="keras"))
     sched: ScheduleConfig = field(default_factory=lambda: ScheduleConfig(
-        warmup_epochs=4, decay="step", decay_epochs=[32, 64], decay_factors=[0.25, 0.125]))
+        warmup_epochs=4, decay="step", decay_epochs=[32, 64], decay_factors=[0.25, 0.125], per_epoch=True,
+        decay_boundary="after"))
 
 
 def build(cfg: CosmoFlowConfig, volume: tuple[int, int, int]) -> CosmoFlow:

@@ -126,6 +126,15 @@ class CosmoFlow(nn.Module):
         return self.head(self.features(x))
 
 
+def reference_decayed(model: CosmoFlow) -> list[str]:
+    """Names of the parameters the MLPerf reference decays: the hidden dense layers'
+    weights (its Keras ``l2`` kernel regularisers sit on those two layers only; no conv,
+    bias or output weight). Keras' ``l2(c)`` adds ``c w^2`` to the loss, a gradient of
+    ``2 c w``: it equals ``optim.weight_decay = 2 c`` here."""
+    dense = [name for name, m in model.head.named_children() if isinstance(m, nn.Linear)]
+    return [f"head.{name}.weight" for name in dense[:-1]]
+
+
 def mse_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Mean squared error over the local batch and the parameters (the training loss).
 

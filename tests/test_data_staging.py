@@ -114,3 +114,24 @@ def test_block_staging_reused_with_another_split_restages(tmp_path: Path) -> Non
     with h5py.File(dest / "block_d0h0w0" / "s0.h5", "r") as f, h5py.File(src / "s0.h5", "r") as g:
         assert list(f.attrs["splits"].ravel()) == [1, 2, 1]
         assert np.array_equal(f["volume"][...], g["volume"][:, :, :, 0:8, :])
+
+
+def _stage_unet_blocks(grid: Grid, src: str, dest: str) -> bool:
+    """Stage this rank's blocks of U-Net cases of different shapes; read them back."""
+    from unet3d.fields import FIELDS
+
+    report = stage(src, Path(dest) / f"rank{grid.rank}", grid, mode="blocks", local_size=1)
+    staged, ref = BlockDataset(report.path, fields=FIELDS, grid=grid), BlockDataset(src, fields=FIELDS, grid=grid)
+    return all(torch.equal(staged[i][k], ref[i][k]) for i in range(len(ref)) for k in FIELDS)
+
+
+def test_block_staging_of_cases_of_different_shapes(pools, tmp_path: Path) -> None:
+    """Each case is cut by its own shape; the foreground boxes travel whole."""
+    from unet3d.convert import write_synthetic as write_case
+
+    src = tmp_path / "cases"
+    src.mkdir()
+    for i in range(3):
+        write_case(src / f"case_{i}.h5", 0, 0, i, [(12, 20), (16, 24), (10, 30)], "none", SPLITS)
+    write_manifest(src, "unet3d")
+    assert all(pools.run(4, _stage_unet_blocks, str(src), str(tmp_path / "local"), spatial=(2, 2, 1)))

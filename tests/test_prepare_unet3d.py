@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import h5py
@@ -102,3 +103,64 @@ def test_check_flags_bad_labels_and_images(tmp_path: Path, capsys) -> None:
     assert f"BAD {tmp_path / 'train' / 'case_00001.h5'}: field 'image' has 1 non-finite values" in out
     assert f"BAD {tmp_path / 'val' / 'case_00000.h5'}: field 'label' has sample shape (16, 16, 8)" in out
     assert "checked 4 files: 3 bad" in out
+
+
+def test_converted_cases_carry_the_foreground_boxes_of_their_labels(tmp_path: Path, capsys) -> None:
+    """Six KiTS19-format cases of six shapes convert, pass check (which recomputes the boxes
+    from each label), and a tampered box is named."""
+    from parallel.data.foreground import foreground_boxes
+
+    rng = np.random.default_rng(1)
+    src = tmp_path / "kits"
+    src.mkdir()
+    shapes = [(20, 24, 24), (16, 32, 28), (24, 16, 16), (18, 20, 30), (26, 22, 18), (12, 28, 20)]
+    labels = {}
+    for i, shape in enumerate(shapes):
+        y = np.zeros((1, *shape), np.uint8)
+        y[0, 2:9, 3:11, 4:9] = 1
+        y[0, 4:7, 5:8, 5:7] = 2
+        y[0, -5:-1, -6:-2, -4:-1] = rng.integers(1, 3)
+        np.save(src / f"case_{i:05d}_x.npy", rng.normal(size=(1, *shape)).astype(np.float32))
+        np.save(src / f"case_{i:05d}_y.npy", y)
+        labels[f"case_{i:05d}"] = y[0]
+    out = tmp_path / "out"
+    assert prepare.main(["from-kits", str(src), str(out), "--quiet", "--workers", "1", "--crop", "16"]) == 0
+    for case, label in labels.items():
+        with h5py.File(out / f"{case}.h5", "r") as f:
+            assert tuple(f.attrs["global_shape"]) == label.shape
+            np.testing.assert_array_equal(f["fg_boxes"][0], foreground_boxes(label, 3))
+            assert f["image"].chunks == (1, 1, 8, 8, 8)  # chunked for 16^3 crops
+    capsys.readouterr()
+    assert prepare.main(["check", str(out)]) == 0
+    with h5py.File(out / "case_00002.h5", "a") as f:
+        boxes = f["fg_boxes"][0]
+        boxes[0, 0, 1] += 1  # a box one voxel too deep: consistent, but not this label's
+        f["fg_boxes"][0] = boxes
+    with h5py.File(out / "case_00004.h5", "a") as f:
+        boxes = f["fg_boxes"][0]
+        boxes[1, 0, 5] = 99  # beyond the case
+        f["fg_boxes"][0] = boxes
+    capsys.readouterr()
+    assert prepare.main(["check", str(out)]) == 1
+    text = capsys.readouterr().out
+    assert f"BAD {out / 'case_00002.h5'}: field 'fg_boxes' sample 0 does not match the label map" in text
+    assert re.search(rf"BAD {re.escape(str(out / 'case_00004.h5'))}: field 'fg_boxes' sample 0: class 2 box 0: "
+                     r"\[\d+, 99\) along dim W lies outside the case's 18 voxels", text), text
+    assert prepare.main(["check", str(out), "--quick"]) == 1  # the bounds need no voxel read
+
+
+def test_synthetic_cases_draw_their_shapes_from_a_range(tmp_path: Path) -> None:
+    assert prepare.main(["synthetic", "--out", str(tmp_path), "--size-range", "20,30,24,28,16,40", "--train", "6",
+                         "--val", "2", "--quiet", "--workers", "1", "--crop", "16"]) == 0
+    shapes = []
+    for p in sorted((tmp_path / "train").glob("*.h5")):
+        with h5py.File(p, "r") as f:
+            shape = tuple(int(n) for n in f.attrs["global_shape"])
+            assert f["image"].shape[2:] == shape and f["label"].shape[1:] == shape
+            assert (f["fg_boxes"][0, :, 0, 0] >= 0).all()  # both classes present
+        assert 20 <= shape[0] <= 30 and 24 <= shape[1] <= 28 and 16 <= shape[2] <= 40
+        shapes.append(shape)
+    assert len(set(shapes)) == len(shapes)
+    assert prepare.main(["check", str(tmp_path)]) == 0
+    with pytest.raises(SystemExit):
+        prepare.main(["synthetic", "--out", str(tmp_path), "--size-range", "30,20"])

@@ -21,19 +21,19 @@ def test_mlperf_cosmoflow_schedule():
     job = CosmoFlowJob()
     s = Schedule(job.sched, job.optim, global_batch_size=128, steps_per_epoch=10, epochs=128)
     assert s.lr(0) == pytest.approx(0.001)            # warmup starts at the unscaled LR
-    assert s.lr(20) == pytest.approx(0.001 + (0.002 - 0.001) * 0.5)
+    assert s.lr(25) == pytest.approx(0.001 + (0.002 - 0.001) * 0.5)  # epoch 2, held all epoch
     assert s.lr(40) == pytest.approx(0.002)           # 0.001 x 128 / 64 after 4 epochs
-    assert s.lr(319) == pytest.approx(0.002)
-    assert s.lr(320) == pytest.approx(0.002 * 0.25)   # epoch 32
-    assert s.lr(640) == pytest.approx(0.002 * 0.125)  # epoch 64: replaces 0.25, no product
+    assert s.lr(329) == pytest.approx(0.002)          # epoch 32 (0-based): the reference decays after it
+    assert s.lr(330) == pytest.approx(0.002 * 0.25)
+    assert s.lr(650) == pytest.approx(0.002 * 0.125)  # epoch 65: replaces 0.25, no product
 
 
 def test_mlperf_unet_warmup_and_cosine():
     job = UNet3DJob()
     s = Schedule(job.sched, job.optim, job.train.global_batch_size, steps_per_epoch=2, epochs=4000)
-    assert s.lr(0) == pytest.approx(1e-4)
-    assert s.lr(200) == pytest.approx(1e-4 + (0.8 - 1e-4) * 0.5)
-    assert s.lr(400) == pytest.approx(0.8) and s.lr(5000) == pytest.approx(0.8)
+    assert s.lr(0) == pytest.approx(1e-4 + (0.8 - 1e-4) / 200)  # epoch 1 (1-based) of 200
+    assert s.lr(198) == pytest.approx(1e-4 + (0.8 - 1e-4) * 0.5)
+    assert s.lr(398) == pytest.approx(0.8) and s.lr(5000) == pytest.approx(0.8)
     cos = Schedule(ScheduleConfig(decay="cosine", min_lr=0.01), OptimConfig(lr=1.0), 8, 10, 5)
     assert cos.lr(0) == pytest.approx(1.0) and cos.lr(25) == pytest.approx(0.505) and cos.lr(50) == pytest.approx(0.01)
 

@@ -4,6 +4,7 @@ Dice + cross-entropy loss, mean-Dice metric and the MLPerf Training defaults."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 import torch
 
@@ -11,11 +12,32 @@ from parallel import augment as spatial_augment
 from parallel import comm
 from parallel.grid import Grid
 from parallel.layers.shapes import infer_global_dims
-from parallel.train.config import JobConfig, OptimConfig, ScheduleConfig, TrainConfig
+from parallel.train.config import JobConfig, MLPerfConfig, OptimConfig, ScheduleConfig, TrainConfig
 from parallel.train.family import Family, register
 from unet3d.fields import SPEC, transform, transform_for
 from unet3d.losses import dice_ce_loss, dice_per_sample
 from unet3d.model import UNet3D, UNet3DConfig
+
+
+class BrightnessForm(str, Enum):
+    """How a brightness augmentation scales the image (a str Enum: configs validate it)."""
+
+    reference = "reference"
+    intended = "intended"
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+def brightness_scale(u: float, brightness: float, form: BrightnessForm | str) -> float:
+    """The factor an image is multiplied by, from a uniform draw ``u`` in [0, 1).
+
+    ``reference``: what the MLPerf reference's RandomBrightnessAugmentation computes,
+    ``1 + U(1 - b, 1 + b)`` (x1.7 to x2.3 for b = 0.3: it adds 1 to a factor already
+    around 1); ``intended``: ``U(1 - b, 1 + b)``, a change of at most +-b.
+    """
+    factor = 1.0 + brightness * (2.0 * u - 1.0)
+    return 1.0 + factor if str(form) == "reference" else factor
 
 
 @dataclass
@@ -24,7 +46,9 @@ class AugmentConfig:
 
     Each sample draws its own flips, brightness and noise from the step's seed and its row
     in the global batch, so the augmented batch is the same at every grid; flips of a
-    split volume fetch the mirrored blocks from their owners (``parallel.augment``).
+    split volume fetch the mirrored blocks from their owners (``parallel.augment``). With
+    training crops (``data.crop``) the augmentation applies to the crop, as in the reference
+    (crop, then flips, brightness, noise).
     """
 
     enabled: bool = True
@@ -32,9 +56,12 @@ class AugmentConfig:
     flip_prob: float = 1.0 / 3.0
     """Probability of flipping each of D, H and W."""
     brightness_prob: float = 0.1
-    """Probability of scaling the image by a factor in [1 - brightness, 1 + brightness]."""
+    """Probability of scaling the image (see ``brightness_form``)."""
     brightness: float = 0.3
-    """Largest relative brightness change."""
+    """Half-width ``b`` of the uniform factor U(1 - b, 1 + b)."""
+    brightness_form: BrightnessForm = BrightnessForm.reference
+    """``reference``: multiply by 1 + U(1 - b, 1 + b), as the MLPerf reference code does
+    (x1.7 to x2.3); ``intended``: multiply by U(1 - b, 1 + b)."""
     noise_prob: float = 0.1
     """Probability of adding Gaussian noise of a standard deviation drawn from [0, noise_std]."""
     noise_std: float = 0.1
@@ -51,8 +78,9 @@ class UNet3DJob(JobConfig):
                                                                    eval_every=20))
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(name="sgd", lr=0.8, momentum=0.9,
                                                                    nesterov=True))
-    sched: ScheduleConfig = field(default_factory=lambda: ScheduleConfig(warmup_epochs=200,
-                                                                         warmup_start_lr=1e-4))
+    sched: ScheduleConfig = field(default_factory=lambda: ScheduleConfig(warmup_epochs=200, warmup_start_lr=1e-4,
+                                                                         per_epoch=True, warmup_epoch_offset=1))
+    mlperf: MLPerfConfig = field(default_factory=lambda: MLPerfConfig(usage="training"))
 
 
 def build(cfg: UNet3DConfig, volume: tuple[int, int, int]) -> UNet3D:
@@ -103,7 +131,7 @@ def augment(batch: dict[str, torch.Tensor], gen: torch.Generator, grid: Grid,
         x = spatial_augment.flip(x, dims, grid, volume)
         y = spatial_augment.flip(y, dims, grid, volume)
         if draws[i, 3] < aug.brightness_prob:
-            x = x * float(1.0 + aug.brightness * (2.0 * draws[i, 4] - 1.0))
+            x = x * brightness_scale(float(draws[i, 4]), aug.brightness, aug.brightness_form)
         if draws[i, 5] < aug.noise_prob:
             noise = spatial_augment.voxel_noise(int(keys[i]), x.shape[1], block, volume, x.device)
             x = x + float(aug.noise_std * draws[i, 6]) * noise.to(x.dtype)[None]

@@ -3,6 +3,7 @@
 Examples::
 
     python -m unet3d.prepare synthetic --out data/unet64 --size 64 --train 128 --val 32 --seed 0
+    python -m unet3d.prepare synthetic --out data/kits_like --size-range 40,64 --crop 32 --train 64 --val 16
     python -m unet3d.prepare from-kits /data/kits19/preprocessed data/kits --val-list eval_cases.txt
     mpirun -n 4 python -m unet3d.prepare from-kits /data/kits19/preprocessed data/kits
     python -m unet3d.prepare check data/unet64
@@ -10,6 +11,9 @@ Examples::
 ``synthetic`` writes ``OUT/train`` and ``OUT/val``; ``from-kits`` writes ``OUT/train`` and
 ``OUT/val`` when given ``--val-list`` (case ids, one per line, e.g. ``case_00003``) or the
 source has ``train``/``val`` subdirectories, else ``OUT`` itself. Interrupted runs resume.
+``--size-range LO,HI`` draws each synthetic case's sides from [LO, HI] (or
+``DLO,DHI,HLO,HHI,WLO,WHI`` per side), as KiTS19's cases differ in shape; ``--crop N`` (or
+``D,H,W``) chunks the files for training crops of that size instead of whole-case blocks.
 """
 
 from __future__ import annotations
@@ -27,12 +31,13 @@ from unet3d.fields import SPEC
 
 def cmd_synthetic(args: argparse.Namespace) -> int:
     codec, splits, _ = write_options(args)
+    size = args.size_range if args.size_range is not None else args.size
     for split_id, (name, total) in enumerate((("train", args.train), ("val", args.val))):
         out = args.out / name
         jobs = [Job((out / f"case_{i:05d}.h5",), (out / f"case_{i:05d}.h5", args.seed, split_id, i,
-                                                   args.size, codec, splits)) for i in range(total)]
+                                                   size, codec, splits, args.crop)) for i in range(total)]
         run_split(convert.write_synthetic, jobs, args, f"synthetic {name}", out, SPEC,
-                  {j.outputs[0].name: 1 for j in jobs}, source="synthetic", seed=args.seed, size=args.size)
+                  {j.outputs[0].name: 1 for j in jobs}, source="synthetic", seed=args.seed, size=size)
     return 0
 
 
@@ -60,7 +65,7 @@ def cmd_from_kits(args: argparse.Namespace) -> int:
         jobs = []
         for x, y in cases:
             target = out / (x.name[: -len("_x.npy")] + ".h5")
-            jobs.append(Job((target,), (x, y, target, codec, splits)))
+            jobs.append(Job((target,), (x, y, target, codec, splits, args.crop)))
         run_split(convert.convert_kits, jobs, args, f"from-kits {out.name}", out, SPEC,
                   {j.outputs[0].name: 1 for j in jobs}, source=str(args.src))
     return 0
@@ -68,10 +73,17 @@ def cmd_from_kits(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser, sub = prepare_parser("python -m unet3d.prepare", __doc__)
-    add_write_args(synthetic_command(sub, "ellipsoid organs with lesions, intensity variation and noise", size=64,
-                                     train=128, val=32))
+    p = synthetic_command(sub, "ellipsoid organs with lesions, intensity variation and noise", size=64,
+                          train=128, val=32)
+    p.add_argument("--size-range", type=convert.parse_size_range, default=None, metavar="LO,HI",
+                   help="draw each case's sides from [LO, HI] (or DLO,DHI,HLO,HHI,WLO,WHI); overrides --size")
+    p.add_argument("--crop", type=convert.parse_crop, default=None, metavar="N",
+                   help="chunk for training crops of N^3 (or D,H,W) instead of whole-case blocks")
+    add_write_args(p)
     p = convert_command(sub, "from-kits", "MLPerf preprocessed KiTS19: case_XXXXX_x.npy / _y.npy")
     p.add_argument("--val-list", type=Path, default=None, help="case ids for OUT/val, one per line")
+    p.add_argument("--crop", type=convert.parse_crop, default=None, metavar="N",
+                   help="chunk for training crops of N^3 (or D,H,W) instead of whole-case blocks (MLPerf: 128)")
     add_write_args(p)
     return prepare_main(parser, sub, SPEC, {"synthetic": cmd_synthetic, "from-kits": cmd_from_kits}, argv)
 

@@ -10,11 +10,17 @@ Gaussian noise (sd 10-20). After the reader's clip-and-z-score the organ-lesion 
 lesion-body contrasts are several noise sd wide, and labels follow voxel centres exactly
 (no partial-volume blur), so a U-Net can reach a high Dice quickly.
 
+Cases may be boxes of any (D, H, W): every size above scales with the side it lies
+along. ``case_shape`` draws a case's sides from a range, as KiTS19's cases differ (after
+the MLPerf resampling, from 128 up to several hundred voxels per side).
+
 Masks are computed inside each ellipsoid's bounding box and the image in depth slabs, so
 a 512^3 case needs the uint8 label and float32 image plus slab-sized temporaries.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import numpy as np
 
@@ -24,6 +30,14 @@ SLAB_VOXELS = 1 << 22
 def case_rng(seed: int, split: int, index: int) -> np.random.Generator:
     """The generator of case ``index`` of ``split`` (0 train, 1 val)."""
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(seed), int(split), int(index), 3])))
+
+
+def case_shape(seed: int, split: int, index: int, ranges: Sequence[tuple[int, int]]) -> tuple[int, int, int]:
+    """The (D, H, W) of case ``index``: each side uniform over the integers of its
+    ``(lo, hi)`` range (inclusive), from a stream of its own (the case's content draws stay
+    those of a case of that shape)."""
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(seed), int(split), int(index), 5])))
+    return tuple(int(rng.integers(lo, hi + 1)) for lo, hi in ranges)  # type: ignore[return-value]
 
 
 def _rotation(rng: np.random.Generator) -> np.ndarray:
@@ -50,11 +64,13 @@ def _paint(label: np.ndarray, centre: np.ndarray, axes: np.ndarray, rot: np.ndar
     return int(mask.sum())
 
 
-def case(seed: int, split: int, index: int, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Case ``index`` of ``split``: (image (1, N, N, N) float32, label (N, N, N) uint8)."""
+def case(seed: int, split: int, index: int, size: int | Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Case ``index`` of ``split``: (image (1, D, H, W) float32, label (D, H, W) uint8);
+    ``size``: N for an N^3 case, or (D, H, W)."""
     rng = case_rng(seed, split, index)
-    n = size
-    label = np.zeros((n, n, n), dtype=np.uint8)
+    shape = (int(size),) * 3 if np.isscalar(size) else tuple(int(s) for s in size)  # type: ignore[arg-type]
+    n = np.array(shape)
+    label = np.zeros(shape, dtype=np.uint8)
     organs = []
     for side in (0.28, 0.72):
         centre = np.array([0.5, 0.5, side]) * n + rng.uniform(-0.04, 0.04, 3) * n
@@ -80,13 +96,13 @@ def case(seed: int, split: int, index: int, size: int) -> tuple[np.ndarray, np.n
     body_axes = rng.uniform(0.44, 0.5, 3) * n
     freq = rng.uniform(0.5, 1.5, 3)
     phase = rng.uniform(0, 2 * np.pi, 3)
-    coords = [(np.arange(n, dtype=np.float32) + 0.5 - n / 2) for _ in range(3)]
-    waves = [np.float32(0.08 / 3) * np.sin(2 * np.pi * f * (c / n) + p).astype(np.float32)
-             for f, c, p in zip(freq, coords, phase)]
-    image = np.empty((1, n, n, n), dtype=np.float32)
-    step = max(1, SLAB_VOXELS // (n * n))
-    for d in range(0, n, step):
-        z = slice(d, min(d + step, n))
+    coords = [(np.arange(m, dtype=np.float32) + 0.5 - m / 2) for m in shape]
+    waves = [np.float32(0.08 / 3) * np.sin(2 * np.pi * f * (c / m) + p).astype(np.float32)
+             for f, c, p, m in zip(freq, coords, phase, shape)]
+    image = np.empty((1, *shape), dtype=np.float32)
+    step = max(1, SLAB_VOXELS // (shape[1] * shape[2]))
+    for d in range(0, shape[0], step):
+        z = slice(d, min(d + step, shape[0]))
         lab = label[z]
         slab = means[lab]
         body = ((coords[0][z, None, None] / body_axes[0]) ** 2 + (coords[1][None, :, None] / body_axes[1]) ** 2

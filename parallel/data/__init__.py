@@ -53,22 +53,33 @@ Public API (all importable from ``parallel.data``)::
     # Validation of a prepared directory: (file, reason) for every problem found.
     problems = check_files("data/train", fields.SPEC)
 
+    # Cases of different shapes and training crops: a region policy makes each rank read
+    # its block of the sample's crop (edge padding where the crop leaves the case); the
+    # crop is drawn from (seed, epoch, index), alike on every rank and grid. The loader
+    # hands such a dataset (index, epoch) keys; samples carry REGION_KEY (start, size).
+    ds = BlockDataset("data/kits/train", fields=("image", "label"), grid=grid,
+                      regions=BalancedCrop((128, 128, 128), oversampling=0.4, seed=0))
+    boxes = foreground_boxes(label, classes=3)   # at conversion: what the crop chooses from
+
 Errors raised while reading (``SampleReadError``) name the file, the field, the sample
 and the hyperslab; through DataLoader workers they reach the loop with that text.
 """
 
 from parallel.data.check import check_file, check_files
 from parallel.data.codecs import CODECS, codec_kwargs
-from parallel.data.format import (FieldSpec, SampleSpec, choose_chunks, create_datasets,
+from parallel.data.crops import REGION_KEY, BalancedCrop, FixedRegion, Region, balanced_crop, crop_rng
+from parallel.data.foreground import foreground_boxes
+from parallel.data.format import (FieldSpec, SampleSpec, choose_chunks, choose_crop_chunks, create_datasets,
                                   parse_splits, sample_files, write_manifest, write_samples)
-from parallel.data.loader import BlockLoader, StepStats, make_loader
+from parallel.data.loader import BatchShapeError, BlockLoader, StepStats, make_loader
 from parallel.data.reader import BlockDataset, CountingFile, SampleReadError, touched_chunk_bytes
 from parallel.data.sampler import GlobalShuffleSampler, PartialShuffleSampler
 from parallel.data.staging import StageReport, stage
 
 __all__ = [
-    "BlockDataset", "BlockLoader", "CODECS", "CountingFile", "FieldSpec", "GlobalShuffleSampler",
-    "PartialShuffleSampler", "SampleReadError", "SampleSpec", "StageReport", "StepStats",
-    "check_file", "check_files", "choose_chunks", "codec_kwargs", "create_datasets", "make_loader",
+    "BalancedCrop", "BatchShapeError", "BlockDataset", "BlockLoader", "CODECS", "CountingFile", "FieldSpec",
+    "FixedRegion", "GlobalShuffleSampler", "PartialShuffleSampler", "REGION_KEY", "Region", "SampleReadError",
+    "SampleSpec", "StageReport", "StepStats", "balanced_crop", "check_file", "check_files", "choose_chunks",
+    "choose_crop_chunks", "codec_kwargs", "create_datasets", "crop_rng", "foreground_boxes", "make_loader",
     "parse_splits", "sample_files", "stage", "touched_chunk_bytes", "write_manifest", "write_samples",
 ]

@@ -5,6 +5,8 @@ the sample counts must agree, and (``deep``, the default) every value is read, c
 chunk, so that corrupt compressed chunks surface, and fields marked ``finite`` (targets,
 float images) or with a ``valid_range`` (labels) are checked value by value. Without
 ``deep`` the small scalar fields (targets) are still read and checked (``scalars``).
+Each file is checked against its own volume: cases of one split may differ in shape.
+A spec's own ``checks`` (cross-field consistency) run last, on files sound so far.
 The training loop's pre-flight check (``parallel.train.preflight``) calls ``check_file``.
 """
 
@@ -31,8 +33,8 @@ def check_file(path: str | os.PathLike, spec: SampleSpec, deep: bool = True,
                volume: Sequence[int] | None = None, scalars: bool = True) -> list[str]:
     """The problems of one sample file (empty when it is good).
 
-    ``volume``: the (D, H, W) every volume field must have (default: the file's first
-    volume field sets it). ``scalars``: without ``deep``, still read the scalar fields.
+    ``volume``: the (D, H, W) every volume field must have (default: the file's own, set
+    by its first volume field; pass one only where a split must hold one shape). ``scalars``: without ``deep``, still read the scalar fields.
     """
     path = Path(path)
     try:
@@ -65,6 +67,9 @@ def check_file(path: str | os.PathLike, spec: SampleSpec, deep: bool = True,
                 continue
             if deep or (scalars and fs.kind == "scalar"):
                 problems.extend(_check_values(dset, fs))
+        if not problems:
+            for extra in spec.checks:
+                problems.extend(extra(f, deep))
         n_attr = f.attrs.get("samples")
         if n_attr is not None and samples is not None and int(n_attr) != samples:
             problems.append(f"attribute samples={int(n_attr)} but the fields hold {samples}")

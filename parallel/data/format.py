@@ -5,7 +5,9 @@ many. A volume field is ``(N, C, D, H, W)`` (or ``(N, D, H, W)`` when it has no 
 axis, like a label map); a scalar field is ``(N, *shape)``. Volume chunks are
 ``(1, C, cd, ch, cw)`` with ``cd``, ``ch``, ``cw`` dividing every block boundary of the
 spatial splits recorded in the file's ``splits`` attribute, so a block read touches its
-own chunks only. See ``docs/data.md``.
+own chunks only. Files written for training crops (``crop=``) instead get small chunks
+sized to the crop's blocks (``choose_crop_chunks``): a crop lands anywhere in the case, so
+no chunk grid can tile its blocks. See ``docs/data.md``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import os
 from dataclasses import dataclass, field
 from functools import reduce
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import h5py
 import numpy as np
@@ -62,11 +64,17 @@ class FieldSpec:
 
 @dataclass(frozen=True)
 class SampleSpec:
-    """The fields of one kind of sample (a model family's dataset)."""
+    """The fields of one kind of sample (a model family's dataset).
+
+    ``checks``: module-level functions ``(open h5py.File, deep) -> [problem, ...]`` that
+    ``check_file`` runs after the per-field checks, for what relates fields to each other
+    (e.g. stored foreground boxes against the label map).
+    """
 
     name: str
     fields: tuple[FieldSpec, ...]
     attrs: Mapping[str, Any] = field(default_factory=dict)
+    checks: tuple[Callable[[Any, bool], list[str]], ...] = ()
 
     def __getitem__(self, name: str) -> FieldSpec:
         for f in self.fields:
@@ -122,6 +130,28 @@ def choose_chunks(volume: Sequence[int], splits: Sequence[Sequence[int]], channe
     return (1,) + ((channels,) if channels is not None else ()) + tuple(edges)
 
 
+def choose_crop_chunks(volume: Sequence[int], crop: Sequence[int], splits: Sequence[Sequence[int]],
+                       channels: int | None, codec: str = "none") -> tuple[int, ...]:
+    """A chunk shape (with leading sample axis) for reading blocks of crops at any offset.
+
+    A block of ``L`` voxels along a dim at a random offset touches about ``L + c - 1``
+    voxels of chunks of edge ``c``. A codec decodes whole chunks, so there the edge sets
+    the overhead (about ``c / L`` per dim): the largest power of two at most ``L / 8``,
+    within [8, 32]. Unfiltered chunks are read in place (only the block's voxels), so the
+    edge only sets the size of the chunk index, which is read too: the largest power of
+    two at most ``L / 2``, within [8, 64]. ``L`` is the smallest block of the crop over
+    ``splits`` along the dim (crop 128 split 2: 64, so edges 8 with a codec, 32 without).
+    """
+    splits = [tuple(int(s) for s in sp) for sp in splits] or [(1, 1, 1)]
+    share, top = (8, 32) if codec != "none" else (2, 64)
+    edges = []
+    for axis, (n, c) in enumerate(zip(volume, crop)):
+        block = max(int(c) // max(sp[axis] for sp in splits), 1)
+        edge = 1 << max((block // share).bit_length() - 1, 0)
+        edges.append(max(1, min(max(edge, MIN_CHUNK_EDGE), top, int(n))))
+    return (1,) + ((channels,) if channels is not None else ()) + tuple(edges)
+
+
 def sample_files(source: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
     """The sample files of a directory (sorted, manifest order first) or a list of files."""
     if isinstance(source, (str, os.PathLike)):
@@ -174,17 +204,19 @@ def write_manifest(root: str | os.PathLike, spec_name: str | None = None,
 def write_samples(path: str | os.PathLike, spec: SampleSpec, arrays: Mapping[str, np.ndarray],
                   splits: Sequence[Sequence[int]] = ((1, 1, 1),), codec: str = "none",
                   attrs: Mapping[str, Any] | None = None,
-                  chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Path:
+                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, crop: Sequence[int] | None = None) -> Path:
     """Write ``arrays`` (each with a leading sample axis) as one sample file, atomically.
 
     The file is written to ``path + ".tmp"`` and renamed, so an interrupted run never
     leaves a partial file under the final name (converters resume by skipping outputs).
+    ``crop``: chunk for training crops of this size (``choose_crop_chunks``) instead of
+    for whole-case blocks.
     """
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     with h5py.File(tmp, "w") as f:
         create_datasets(f, spec, {k: (a.shape, a.dtype) for k, a in arrays.items()},
-                        splits, codec, attrs, chunk_bytes)
+                        splits, codec, attrs, chunk_bytes, crop)
         for name, array in arrays.items():
             f[name][...] = array
     os.replace(tmp, path)
@@ -194,8 +226,11 @@ def write_samples(path: str | os.PathLike, spec: SampleSpec, arrays: Mapping[str
 def create_datasets(f: h5py.File, spec: SampleSpec, shapes: Mapping[str, tuple[Sequence[int], Any]],
                     splits: Sequence[Sequence[int]], codec: str = "none",
                     attrs: Mapping[str, Any] | None = None,
-                    chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
-    """Create the (empty) datasets and attributes of a sample file, to be filled in slabs."""
+                    chunk_bytes: int = DEFAULT_CHUNK_BYTES, crop: Sequence[int] | None = None) -> None:
+    """Create the (empty) datasets and attributes of a sample file, to be filled in slabs.
+
+    ``crop``: chunk volume fields for training crops of this size (else for blocks).
+    """
     samples = None
     volume = None
     for fs in spec.fields:
@@ -215,7 +250,10 @@ def create_datasets(f: h5py.File, spec: SampleSpec, shapes: Mapping[str, tuple[S
             if shape[1:] != fs.sample_shape(volume):
                 raise ValueError(f"{f.filename}: field {fs.name!r} has sample shape {shape[1:]}, "
                                  f"spec wants {fs.sample_shape(volume)}")
-            chunks = choose_chunks(volume, splits, fs.channels, np.dtype(fs.dtype).itemsize, chunk_bytes)
+            if crop is not None:
+                chunks = choose_crop_chunks(volume, crop, splits, fs.channels, codec)
+            else:
+                chunks = choose_chunks(volume, splits, fs.channels, np.dtype(fs.dtype).itemsize, chunk_bytes)
             f.create_dataset(fs.name, shape=shape, dtype=fs.dtype, chunks=chunks, **codec_kwargs(codec))
         else:
             if shape[1:] != tuple(fs.shape):
@@ -228,6 +266,8 @@ def create_datasets(f: h5py.File, spec: SampleSpec, shapes: Mapping[str, tuple[S
     f.attrs["samples"] = int(samples or 0)
     f.attrs["splits"] = np.asarray([tuple(sp) for sp in splits] or [(1, 1, 1)], dtype=np.int64)
     f.attrs["codec"] = codec
+    if crop is not None:
+        f.attrs["chunked_for_crop"] = np.asarray([int(c) for c in crop], dtype=np.int64)
     if volume is not None:
         f.attrs["global_shape"] = np.asarray(volume, dtype=np.int64)
         f.attrs["block_origin"] = np.zeros(3, dtype=np.int64)

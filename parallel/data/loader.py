@@ -3,6 +3,10 @@
 Each worker returns, with every sample, the bytes it read and the seconds it spent; the
 loader sums them per step and measures how long the step waited for its batch, so the
 training loop can report whether it is I/O bound.
+
+Samples of one batch are stacked, so they must have one shape: crops (a region policy)
+make them equal; whole cases of different shapes can only go one per rank and step, and
+a batch that mixes shapes stops with ``BatchShapeError`` naming the files and shapes.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from typing import Any, Iterator
 
 import torch
 
-from parallel.data.reader import BlockDataset, Sample
+from parallel.data.reader import BlockDataset, Key, Sample
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +44,12 @@ class StepStats:
         return asdict(self)
 
 
+class BatchShapeError(ValueError):
+    """Samples of one batch have different shapes (whole cases of different sizes)."""
+
+
 class _WithStats(torch.utils.data.Dataset):
-    """Wraps a BlockDataset so that each item carries its read accounting."""
+    """Wraps a BlockDataset so that each item carries its read accounting and its key."""
 
     def __init__(self, dataset: BlockDataset) -> None:
         self.dataset = dataset
@@ -49,8 +57,24 @@ class _WithStats(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, index: int) -> tuple[Sample, int, float]:
-        return self.dataset.load(index)
+    def __getitem__(self, key: Key) -> tuple[Sample, int, float, Key]:
+        return (*self.dataset.load(key), key)
+
+
+class _EpochKeys:
+    """A batch sampler yielding ``(index, epoch)`` keys, for datasets whose region (a
+    crop) depends on the epoch; length, epochs and state stay the wrapped sampler's."""
+
+    def __init__(self, sampler: Any) -> None:
+        self.sampler = sampler
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        epoch = int(self.sampler.epoch)
+        for batch in self.sampler:
+            yield [(int(i), epoch) for i in batch]
 
 
 class _Collate:
@@ -60,14 +84,27 @@ class _Collate:
     def __init__(self, dataset: BlockDataset) -> None:
         self.dataset = dataset
 
-    def __call__(self, items: list[tuple[Sample, int, float]]) -> tuple[Sample, StepStats]:
+    def __call__(self, items: list[tuple[Sample, int, float, Key]]) -> tuple[Sample, StepStats]:
         if not items:
             sample = self.dataset[0]
             return {k: v.unsqueeze(0)[:0] for k, v in sample.items()}, StepStats()
-        batch = {k: torch.stack([s[k] for s, _, _ in items]) for k in items[0][0]}
-        stats = StepStats(samples=len(items), bytes_read=sum(b for _, b, _ in items),
-                          read_seconds=sum(t for _, _, t in items))
+        for k in items[0][0]:
+            shapes = [tuple(item[0][k].shape) for item in items]
+            if len(set(shapes)) > 1:
+                raise BatchShapeError(self._mixed(k, items, shapes))
+        batch = {k: torch.stack([item[0][k] for item in items]) for k in items[0][0]}
+        stats = StepStats(samples=len(items), bytes_read=sum(item[1] for item in items),
+                          read_seconds=sum(item[2] for item in items))
         return batch, stats
+
+    def _mixed(self, name: str, items: list[tuple[Sample, int, float, Key]], shapes: list[tuple[int, ...]]) -> str:
+        where = []
+        for item, shape in zip(items, shapes):
+            path, row = self.dataset.locate(item[3])
+            where.append(f"{path.name}[{row}] {shape}")
+        return (f"a batch of {len(items)} samples cannot be stacked: field {name!r} has different shapes "
+                f"({', '.join(where)}; this rank's blocks). Cases of different sizes train as crops of "
+                "one size (data.crop=[D,H,W]) or one case per rank and step (global batch = data groups)")
 
 
 def _worker_init(worker_id: int) -> None:
@@ -131,6 +168,9 @@ def make_loader(dataset: BlockDataset, sampler: Any, num_workers: int = 2, prefe
                 seed: int | None = None) -> BlockLoader:
     """A loader over ``dataset`` in the batches ``sampler`` yields (lists of indices).
 
+    A dataset with a region policy (crops) is given ``(index, epoch)`` keys, so each
+    sample's crop is drawn for the sampler's current epoch.
+
     Args:
         num_workers: reader processes; each opens its own file handles. 0 reads inline.
         prefetch_factor: batches each worker reads ahead (workers > 0 only).
@@ -148,7 +188,8 @@ def make_loader(dataset: BlockDataset, sampler: Any, num_workers: int = 2, prefe
         kwargs.update(prefetch_factor=prefetch_factor, worker_init_fn=_worker_init,
                       persistent_workers=persistent_workers,
                       multiprocessing_context=multiprocessing_context)
-    loader = torch.utils.data.DataLoader(_WithStats(dataset), batch_sampler=sampler,
+    batches = _EpochKeys(sampler) if getattr(dataset, "regions", None) is not None else sampler
+    loader = torch.utils.data.DataLoader(_WithStats(dataset), batch_sampler=batches,
                                          num_workers=num_workers, collate_fn=_Collate(dataset),
                                          pin_memory=pin_memory, **kwargs,
                                          generator=None if seed is None else torch.Generator().manual_seed(seed))

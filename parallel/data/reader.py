@@ -1,16 +1,22 @@
 """The block dataset: each rank reads the hyperslab of its block, never the whole sample.
 
 Files are opened lazily in the process that reads (each DataLoader worker opens its own
-handles), and every read is accounted: the bytes of the chunks the hyperslab touches
-(their stored, i.e. compressed, sizes) and the seconds spent. ``io="counting"`` opens
-files through a Python file object that counts every byte HDF5 actually reads
-(metadata included), for tests and benchmarks.
+handles), and every read is accounted: the bytes HDF5 reads for the hyperslab (for a
+filtered, i.e. compressed, dataset the stored sizes of the chunks it touches; for an
+unfiltered one just the selected voxels, which HDF5 reads straight from the file when
+the chunk cache is off, as here) and the seconds spent. ``io="counting"`` opens files
+through a Python file object that counts every byte HDF5 actually reads (metadata
+included), for tests and benchmarks.
+
+Samples may differ in shape: each file's ``global_shape`` says its case's (D, H, W). With
+a region policy (``parallel.data.crops``: training crops, evaluation boxes) a rank reads
+its block of the sample's region instead of its block of the whole case, padding
+materialised locally where the region leaves the case; the region is chosen per
+(sample, epoch), so the dataset takes keys ``(index, epoch)`` as well as plain indices.
 """
 
 from __future__ import annotations
 
-import io
-import itertools
 import logging
 import os
 import time
@@ -23,68 +29,26 @@ import numpy as np
 import torch
 
 import parallel.data.codecs  # noqa: F401  (registers the HDF5 compression filters)
+from parallel.data.accounting import CountingFile, read_bytes, selection_bytes, touched_chunk_bytes  # noqa: F401
+from parallel.data.crops import REGION_KEY, Region, RegionPolicy
 from parallel.data.format import read_manifest, sample_files
 
 log = logging.getLogger(__name__)
 
 Sample = dict[str, torch.Tensor]
 Transform = Callable[[Sample], Sample]
+Key = int | tuple[int, int]
+"""A sample index, or ``(index, epoch)`` when the region depends on the epoch (crops)."""
 
 
 class SampleReadError(RuntimeError):
     """A sample file could not be read; the message names the file, field and sample."""
 
 
-class CountingFile(io.RawIOBase):
-    """A read-only file whose ``bytes_read`` counts every byte handed to the reader."""
-
-    def __init__(self, path: str | os.PathLike) -> None:
-        super().__init__()
-        self._fh = open(path, "rb", buffering=0)
-        self.bytes_read = 0
-
-    def readinto(self, buffer: Any) -> int:
-        n = self._fh.readinto(buffer)
-        self.bytes_read += n or 0
-        return n
-
-    def read(self, size: int = -1) -> bytes:
-        data = self._fh.read(size)
-        self.bytes_read += len(data)
-        return data
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        return self._fh.seek(offset, whence)
-
-    def tell(self) -> int:
-        return self._fh.tell()
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def close(self) -> None:
-        self._fh.close()
-        super().close()
-
-
-def touched_chunk_bytes(dset: h5py.Dataset, selection: Sequence[slice]) -> int:
-    """Stored bytes of the chunks that a hyperslab (one slice per dim) intersects.
-
-    For a contiguous dataset, the bytes of the selection itself.
-    """
-    if dset.chunks is None:
-        return int(np.prod([s.stop - s.start for s in selection])) * dset.dtype.itemsize
-    ranges = []
-    for s, c, n in zip(selection, dset.chunks, dset.shape):
-        ranges.append(range((s.start // c) * c, min(s.stop, n), c))
-    total = 0
-    for offset in itertools.product(*ranges):
-        info = dset.id.get_chunk_info_by_coord(offset)
-        total += int(info.size or 0)  # unwritten chunks are fill, read from nowhere
-    return total
+def _key(key: Key) -> tuple[int, int]:
+    if isinstance(key, (tuple, list)):
+        return int(key[0]), int(key[1])
+    return int(key), 0
 
 
 class BlockDataset(torch.utils.data.Dataset):
@@ -100,16 +64,20 @@ class BlockDataset(torch.utils.data.Dataset):
         io: ``"native"`` (HDF5's own driver; bytes = touched chunks' stored size) or
             ``"counting"`` (a counting Python file object; bytes = all bytes HDF5 read).
         max_open_files: open handles kept per process (least recently used closed first).
+        regions: a region policy (``parallel.data.crops``): each sample's volume fields
+            come back as this rank's block of the sample's region (a crop), and the
+            sample carries ``REGION_KEY``. None: the block of the whole case.
     """
 
     def __init__(self, source: str | os.PathLike | Sequence[str | os.PathLike],
                  fields: Sequence[str] | None = None, grid: Any = None,
                  transform: Transform | None = None, io: Literal["native", "counting"] = "native",
-                 max_open_files: int = 64) -> None:
+                 max_open_files: int = 64, regions: RegionPolicy | None = None) -> None:
         self.grid = grid
         self.transform = transform
         self.io = io
         self.max_open_files = max_open_files
+        self.regions = regions
         self.files, counts, self._fallback = _resolve(source, grid)
         if not self.files:
             raise FileNotFoundError(f"no sample files (*.h5, *.hdf5) in {source}")
@@ -125,7 +93,7 @@ class BlockDataset(torch.utils.data.Dataset):
                 for name in self.fields:
                     if name not in f:
                         raise KeyError(f"{path}: has no field {name!r} (fields: {list(f.keys())})")
-                    if global_shape is not None and f[name].ndim >= 4:
+                    if global_shape is not None and _is_volume(f, f[name]):
                         self._volume_fields.add(name)
                 self.attrs = {k: _plain(v) for k, v in f.attrs.items()}
         except OSError as err:
@@ -136,8 +104,9 @@ class BlockDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return int(self._starts[-1])
 
-    def locate(self, index: int) -> tuple[Path, int]:
+    def locate(self, index: Key) -> tuple[Path, int]:
         """The file that holds global sample ``index`` and the sample's row in it."""
+        index = _key(index)[0]
         if not 0 <= index < len(self):
             raise IndexError(f"sample {index} outside a dataset of {len(self)}")
         i = int(np.searchsorted(self._starts, index, side="right") - 1)
@@ -150,11 +119,15 @@ class BlockDataset(torch.utils.data.Dataset):
             return self._fallback[i]
         return path
 
-    def __getitem__(self, index: int) -> Sample:
+    def __getitem__(self, index: Key) -> Sample:
         return self.load(index)[0]
 
-    def load(self, index: int) -> tuple[Sample, int, float]:
-        """The sample's dict of tensors, the bytes read and the seconds spent reading."""
+    def load(self, key: Key) -> tuple[Sample, int, float]:
+        """The sample's dict of tensors, the bytes read and the seconds spent reading.
+
+        ``key``: the sample index, or ``(index, epoch)`` (the epoch seeds a crop).
+        """
+        index, epoch = _key(key)
         path, row = self.locate(index)
         t0 = time.perf_counter()
         opened = path not in self._handles or self._pid != os.getpid()
@@ -163,15 +136,18 @@ class BlockDataset(torch.utils.data.Dataset):
         before = 0 if opened or counter is None else counter.bytes_read
         sample: Sample = {}
         nbytes = 0
+        region = None
+        if self.regions is not None:
+            region, nbytes = self._region(f, path, row, index, epoch)
         for name in self.fields:
             selection: tuple[slice, ...] = ()
             try:
                 dset = f[name]
                 if name in self._volume_fields:
-                    selection = self._selection(f, dset, row)
+                    selection, takes = self._selection(f, dset, row, region)
                     if counter is None:
-                        nbytes += touched_chunk_bytes(dset, selection)
-                    array = dset[selection][0]
+                        nbytes += read_bytes(dset, selection)
+                    array = _take(dset[selection][0], takes)
                 else:
                     array = dset[row]
                     if counter is None:
@@ -183,28 +159,65 @@ class BlockDataset(torch.utils.data.Dataset):
         seconds = time.perf_counter() - t0
         if counter is not None:
             nbytes = counter.bytes_read - before
+        if region is not None:
+            sample[REGION_KEY] = region.as_tensor()
         if self.transform is not None:
             sample = self.transform(sample)
         return sample, nbytes, seconds
 
-    def _selection(self, f: h5py.File, dset: h5py.Dataset, row: int) -> tuple[slice, ...]:
+    def _region(self, f: h5py.File, path: Path, row: int, index: int, epoch: int) -> tuple[Region | None, int]:
+        """The policy's region for the sample, and the bytes of the scalars it read."""
+        assert self.regions is not None
+        shape = _global_shape(f)
+        if shape is None:
+            raise SampleReadError(f"{path}: no global_shape attribute and no volume field: cannot place a region")
+        scalars, nbytes = {}, 0
+        for name in self.regions.fields:
+            if name not in f:
+                raise SampleReadError(
+                    f"{path}: has no field {name!r}, which the training crop needs (files converted before "
+                    f"crops existed: convert them again, or set the oversampling to 0)")
+            try:
+                scalars[name] = np.asarray(f[name][row])
+            except (OSError, ValueError) as err:
+                raise SampleReadError(f"{path}: field {name!r} sample {row}: {err}") from err
+            nbytes += scalars[name].nbytes
+        return self.regions.region(index, epoch, shape, scalars), nbytes
+
+    def _selection(self, f: h5py.File, dset: h5py.Dataset, row: int, region: Region | None = None
+                   ) -> tuple[tuple[slice, ...], list[np.ndarray | None]]:
+        """The hyperslab to read and, per dim, the indices to take from it (None: all).
+
+        Without a region: this rank's block of the case. With one: this rank's block of
+        the region, clamped to the case; where the region leaves the case the take
+        repeats the border voxel (edge padding), on this rank only.
+        """
         shape = _global_shape(f)
         stored = dset.shape[-3:]
         assert shape is not None
         origin = tuple(int(o) for o in f.attrs.get("block_origin", (0, 0, 0)))
+        extent = region.size if region is not None else shape
+        start = region.start if region is not None else (0, 0, 0)
         if self.grid is None:
-            ranges = tuple((0, n) for n in shape)
+            ranges = tuple((0, n) for n in extent)
         else:
-            ranges = self.grid.block_range(shape)
-        local = []
-        for axis, ((a, b), o, n) in enumerate(zip(ranges, origin, stored)):
+            ranges = self.grid.block_range(extent)
+        local, takes = [], []
+        for axis, ((a, b), s0, o, n, full) in enumerate(zip(ranges, start, origin, stored, shape)):
+            a, b = a + s0, b + s0
+            take = None
+            if a < 0 or b > full:  # the region leaves the case here: read the clamped run once
+                idx = np.clip(np.arange(a, b), 0, full - 1)
+                a, b = int(idx[0]), int(idx[-1]) + 1
+                take = idx - a
             if a - o < 0 or b - o > n:
                 raise SampleReadError(
                     f"{f.filename}: field {dset.name.lstrip('/')!r} holds [{o}, {o + n}) of dim "
                     f"{'DHW'[axis]} of a {tuple(shape)} volume, but this rank's block is [{a}, {b})")
             local.append(slice(a - o, b - o))
+            takes.append(take)
         lead = [slice(row, row + 1)] + [slice(0, n) for n in dset.shape[1:-3]]
-        return tuple(lead + local)
+        return tuple(lead + local), takes
 
     def _open(self, path: Path) -> tuple[h5py.File, CountingFile | None]:
         if self._pid != os.getpid():  # inherited from a parent by fork: never share handles
@@ -217,7 +230,7 @@ class BlockDataset(torch.utils.data.Dataset):
         try:
             if self.io == "counting":
                 counter = CountingFile(path)
-                f = h5py.File(counter, "r")
+                f = h5py.File(counter, "r", rdcc_nbytes=0)
             else:
                 counter = None
                 # Chunks are read once per sample: a cache would only copy them again.
@@ -244,6 +257,27 @@ class BlockDataset(torch.utils.data.Dataset):
         state = self.__dict__.copy()
         state["_handles"] = OrderedDict()  # h5py handles never cross processes
         return state
+
+
+def _take(array: np.ndarray, takes: Sequence[np.ndarray | None]) -> np.ndarray:
+    """Apply the per-dim index lists of ``_selection`` to the last three dims."""
+    for axis, take in enumerate(takes):
+        if take is not None:
+            array = np.take(array, take, axis=array.ndim - 3 + axis)
+    return array
+
+
+def _is_volume(f: h5py.File, dset: h5py.Dataset) -> bool:
+    """Whether a dataset is a volume field (read per block): its last three dims span the
+    volume the file stores (the case, or a staged block: attribute ``block_shape``)."""
+    if dset.ndim < 4:
+        return False
+    extent = f.attrs.get("block_shape")
+    if extent is None:
+        if np.asarray(f.attrs.get("block_origin", (0, 0, 0))).any():
+            return True  # a block staged before blocks recorded their shape
+        extent = _global_shape(f)
+    return extent is None or tuple(dset.shape[-3:]) == tuple(int(n) for n in extent)
 
 
 def _global_shape(f: h5py.File) -> tuple[int, int, int] | None:

@@ -153,9 +153,10 @@ def _copy_block(src: Path, out: Path, grid: Any, coords: tuple[int, int, int]) -
         try:
             with h5py.File(out, "r") as g:
                 splits = tuple(int(v) for v in np.asarray(g.attrs.get("splits", ())).ravel())
+                recorded = "block_shape" in g.attrs
         except OSError:
-            splits = ()
-        if splits == tuple(grid.spatial):
+            splits, recorded = (), False
+        if splits == tuple(grid.spatial) and recorded:
             return 0
         log.info("%s was staged for spatial %s, not %s: staging it again", out, list(splits), list(grid.spatial))
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -182,6 +183,7 @@ def _copy_block(src: Path, out: Path, grid: Any, coords: tuple[int, int, int]) -
                 else:
                     g.create_dataset(name, data=dset[...])
             g.attrs["block_origin"] = np.asarray([a for a, _ in ranges], dtype=np.int64)
+            g.attrs["block_shape"] = np.asarray([b - a for a, b in ranges], dtype=np.int64)
             g.attrs["splits"] = np.asarray([grid.spatial], dtype=np.int64)
     except OSError as err:
         tmp.unlink(missing_ok=True)

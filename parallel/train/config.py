@@ -60,6 +60,26 @@ class Division(Choice):
     open = "open"
 
 
+class MomentumForm(Choice):
+    torch = "torch"
+    keras = "keras"
+
+
+class DecayBoundary(Choice):
+    at = "at"
+    after = "after"
+
+
+class EvalMode(Choice):
+    sliding = "sliding"
+    whole = "whole"
+
+
+class Usage(Choice):
+    hpc = "hpc"
+    training = "training"
+
+
 class Status(Choice):
     onprem = "onprem"
     cloud = "cloud"
@@ -98,6 +118,12 @@ class DataConfig:
     nonfinite: NonFinite = NonFinite.fail
     """A training sample whose input block holds NaN or inf: ``fail`` stops with the file's
     name; ``skip`` leaves the sample out of its step and counts it (validation always fails)."""
+    crop: Optional[list[int]] = None
+    """Train on crops of this (D, H, W) (MLPerf U-Net: [128, 128, 128]), placed as the
+    reference's RandBalancedCrop places them and read per rank (``parallel.data.crops``);
+    None trains on whole samples, which must then share one shape per batch."""
+    oversampling: float = 0.4
+    """Probability that a crop is centred on a foreground component (MLPerf U-Net: 0.4)."""
 
 
 @dataclass
@@ -184,6 +210,10 @@ class OptimConfig:
     """AdamW betas."""
     eps: float = 1e-8
     """AdamW epsilon."""
+    momentum_form: MomentumForm = MomentumForm.torch
+    """SGD momentum: ``torch`` (b = m b + g; p -= lr b) or ``keras`` (v = m v + lr g;
+    p -= v: the learning rate inside the velocity, as the MLPerf HPC CosmoFlow reference
+    and NVIDIA's port compute it; the two differ whenever the learning rate changes)."""
 
 
 @dataclass
@@ -202,6 +232,40 @@ class ScheduleConfig:
     """Peak-LR multiplier from each boundary on; factors replace each other, they do not multiply."""
     min_lr: float = 0.0
     """Final LR of the cosine decay."""
+    per_epoch: bool = False
+    """Hold the LR for a whole epoch, set from the epoch number at its start (the MLPerf
+    references: Keras' LearningRateScheduler for CosmoFlow, the U-Net's per-epoch warmup);
+    False moves it at every step (fractional epochs)."""
+    warmup_epoch_offset: int = 0
+    """With ``per_epoch``: epoch ``e`` (0-based) of the warmup runs at
+    start + (peak - start) (e + offset) / warmup_epochs. 0: CosmoFlow's reference (the
+    first epoch at the start LR); 1: the U-Net's (1-based epochs: the first at
+    start + (peak - start) / warmup_epochs, the last warmup epoch at the peak)."""
+    decay_boundary: DecayBoundary = DecayBoundary.at
+    """Step decay: ``at`` applies a boundary's factor from epoch ``b`` on (0-based, as
+    torch's MultiStepLR and NVIDIA's CosmoFlow port); ``after`` from epoch ``b + 1``, as
+    the MLPerf HPC reference (its schedule takes the factor of boundaries ``b < epoch``)."""
+
+
+@dataclass
+class EvalConfig:
+    """How the validation metric is computed (cadence: ``train.eval_every``)."""
+
+    mode: EvalMode = EvalMode.whole
+    """``sliding``: the MLPerf U-Net's Gaussian-weighted sliding window over each case,
+    split across the spatial group (``parallel.infer``); ``whole``: one pass over each
+    whole sample (this project's extension; not the MLPerf U-Net metric)."""
+    window: Optional[list[int]] = None
+    """Sliding window (D, H, W); None: ``data.crop`` (the reference's window is the crop)."""
+    overlap: float = 0.5
+    """Fraction of a window its neighbour overlaps (MLPerf: 0.5, stride = window / 2)."""
+    pad_value: float = -2.2
+    """Value of the padding around a case (MLPerf KiTS19: -2.2, normalised air)."""
+    sigma_scale: float = 0.125
+    """Sigma of each 1-D Gaussian of the importance map, as a fraction of the window."""
+    start_epoch: int = 0
+    """First (1-based) epoch to evaluate after; then every ``train.eval_every`` epochs
+    (MLPerf U-Net: 1000, every 20). 0: whenever the epoch is a multiple of eval_every."""
 
 
 @dataclass
@@ -242,6 +306,9 @@ class MLPerfConfig:
     """submission_status."""
     platform: str = "cpu"
     """submission_platform."""
+    usage: Optional[Usage] = None
+    """Ruleset family of the log: ``hpc`` (CosmoFlow, HPC 3.0.0) or ``training`` (the
+    U-Net, Training 4.0.0: its key names); None: ``hpc``. Each family's job sets its own."""
 
 
 @dataclass
@@ -255,6 +322,7 @@ class JobConfig:
     sched: ScheduleConfig = field(default_factory=ScheduleConfig)
     run: RunConfig = field(default_factory=RunConfig)
     mlperf: MLPerfConfig = field(default_factory=MLPerfConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     model: Any = None
 
 

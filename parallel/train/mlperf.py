@@ -9,8 +9,11 @@ it unconditionally. The order of events follows the HPC ruleset 3.0.0 (staging b
     (epoch_start, [eval_start, eval_error, eval_stop], epoch_stop)*, run_stop
 
 Check a log with ``python -m mlperf_logging.compliance_checker --usage hpc --ruleset 3.0.0
-run.dir/mlperf.log`` (CosmoFlow). The closed division wants ``optim.name=sgd``; other
-optimisers belong to ``mlperf.division=open``.
+run.dir/mlperf.log`` (CosmoFlow) or ``--usage training --ruleset 4.0.0`` (the U-Net,
+``mlperf.usage=training``: Training's key names, ``gradient_accumulation_steps``, and the
+unet3d rules' ``oversampling``, ``training_input_shape``, ``validation_input_shape``,
+``validation_overlap``). The closed division wants ``optim.name=sgd``; other optimisers
+belong to ``mlperf.division=open``.
 """
 
 from __future__ import annotations
@@ -102,7 +105,8 @@ def log_submission(ml: MLPerfLog, cfg: JobConfig, grid: Grid, benchmark: str, n_
     ml.event("accelerators_per_node", accel)
     ml.event("spatial_split", list(grid.spatial))
     ml.event(c.GLOBAL_BATCH_SIZE, cfg.train.global_batch_size)
-    ml.event("gradient_accumulation_frequency", cfg.train.accum_steps)
+    training = usage(cfg) == "training"
+    ml.event("gradient_accumulation_steps" if training else "gradient_accumulation_frequency", cfg.train.accum_steps)
     ml.event(c.OPT_NAME, cfg.optim.name)
     from parallel.train.optim import peak_lr
 
@@ -119,3 +123,25 @@ def log_submission(ml: MLPerfLog, cfg: JobConfig, grid: Grid, benchmark: str, n_
     dropout = getattr(cfg.model, "dropout", None)
     if dropout is not None:
         ml.event("dropout", dropout)
+    if training:
+        log_segmentation(ml, cfg)
+
+
+def usage(cfg: JobConfig) -> str:
+    """The ruleset family of the run's log: ``mlperf.usage`` (a family's job sets it),
+    else ``hpc``."""
+    return str(cfg.mlperf.usage) if cfg.mlperf.usage is not None else "hpc"
+
+
+def log_segmentation(ml: MLPerfLog, cfg: JobConfig) -> None:
+    """The keys MLPerf Training's unet3d rules add: the crop and its oversampling, the
+    evaluation's window and overlap (``whole`` where the run uses whole volumes)."""
+    crop = cfg.data.crop
+    ml.event("oversampling", cfg.data.oversampling if crop else 0.0)
+    ml.event("training_input_shape", [int(v) for v in crop] if crop else "whole")
+    sliding = str(cfg.eval.mode) == "sliding"
+    window = cfg.eval.window or crop
+    ml.event("validation_input_shape", [int(v) for v in window] if sliding and window else "whole")
+    ml.event("validation_overlap", cfg.eval.overlap if sliding else 0.0)
+    ml.event("evaluation_start_epoch", cfg.eval.start_epoch)
+    ml.event("evaluation_frequency", cfg.train.eval_every)
