@@ -57,6 +57,24 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def _monitors_of(victim: int, limit: float) -> list[str]:
+    """Death monitors watching ``victim`` still alive after up to ``limit`` seconds (a
+    monitor outlives the launcher by its note-writing pause and its clean-up)."""
+    deadline = time.monotonic() + limit
+    while True:
+        found = subprocess.run(["pgrep", "-f", "parallel/monitor.py"], capture_output=True, text=True).stdout.split()
+        left = []
+        for p in found:
+            try:
+                if _alive(int(p)) and str(victim) in Path(f"/proc/{p}/cmdline").read_text():
+                    left.append(p)
+            except OSError:  # ended between pgrep and the read
+                pass
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
 def _still_running(ranks: list[dict], limit: float) -> list[dict]:
     """The ranks whose processes are still alive after up to ``limit`` seconds (the
     launcher may return while the kernel is still tearing its children down)."""
@@ -111,8 +129,7 @@ def test_kill_one_of_four_ranks_stops_the_job(data, tmp_path, launcher):
     ours = re.search(rf"rank 2 (died \(process {victim}|\(process {victim}\) died)", out)
     torchruns = re.search(r"rank\s*: 2 \(local_rank: 2\)\s*\n\s*exitcode\s*: -9", out)
     assert ours or torchruns, f"the killed rank is not named:\n{out[-4000:]}"
-    monitors = subprocess.run(["pgrep", "-f", "parallel/monitor.py"], capture_output=True, text=True).stdout.split()
-    assert not [p for p in monitors if _alive(int(p)) and str(victim) in Path(f"/proc/{p}/cmdline").read_text()]
+    assert not _monitors_of(victim, 10.0), "the death monitor of the killed rank's node outlived the job by 10 s"
 
 
 def _corrupt_chunk(path: Path, depth: int) -> None:
