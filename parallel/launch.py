@@ -36,6 +36,13 @@ log = logging.getLogger("parallel")
 _MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_SIZE")
 _MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
 NCCL_MARGIN_S = 60.0  # at least this much longer than parallel.timeout_s before NCCL gives up
+_STARTS = [0]  # process groups this process has started (each job of a Hydra sweep starts one)
+
+
+def init_count() -> int:
+    """How many process groups this process has started so far (the same on every rank
+    of a job that runs the same sequence, such as the jobs of a sweep under torchrun)."""
+    return _STARTS[0]
 
 
 def free_port(host: str = "") -> int:
@@ -158,7 +165,11 @@ def init(spatial: Sequence[int] | Callable[[Any], Sequence[int]] = (1, 1, 1), *,
     timeout = timedelta(seconds=process_group_timeout(backend, timeout_s))
     store: tuple[str, int] | None = None
     if launcher == "torchrun":
-        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        if _STARTS[0] == 0:
+            dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        else:  # a later job of a sweep: torchrun's store still holds the first group's keys
+            dist.init_process_group(backend, store=_env_store(timeout), rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
         store = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     elif launcher == "mpi":
         rank, size, address = _mpi_rendezvous()
@@ -177,6 +188,7 @@ def init(spatial: Sequence[int] | Callable[[Any], Sequence[int]] = (1, 1, 1), *,
     elif launcher == "single":
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port('127.0.0.1')}",
                                 rank=0, world_size=1, timeout=timeout)
+    _STARTS[0] += 1
     nccl = "nccl" in backend
     if nccl:
         log.info("NCCL collectives time out after %.0f s: parallel.timeout_s=%g plus a margin, so the "
@@ -214,6 +226,18 @@ def init(spatial: Sequence[int] | Callable[[Any], Sequence[int]] = (1, 1, 1), *,
     log.info("%s, backend %s", grid.describe(), backend)
     log_placement(grid.placement)  # which node holds which ranks; warns when a spatial group spans nodes
     return grid
+
+
+def _env_store(timeout: timedelta) -> Any:
+    """The rendezvous store of a second or later process group under torchrun's variables,
+    under a prefix of its own (``spatialcnn/start<k>``), so that no key of an earlier
+    group is read. torchrun's agent serves the store for the whole run; without the agent
+    (variables set by hand) rank 0 serves a new one."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    rank = int(os.environ["RANK"])
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                         is_master=(rank == 0 and not agent), timeout=timeout, wait_for_workers=False)
+    return dist.PrefixStore(f"spatialcnn/start{_STARTS[0]}", base)
 
 
 def _decided_on_rank0(decide: Callable[[], Sequence[int]], group: Any) -> tuple[int, int, int]:

@@ -3,12 +3,18 @@
 The family's ``JobConfig`` subclass is registered as the structured config
 ``<family>_schema``; YAML files in ``configs/<family>/`` start from it and hold overrides
 only (``--config-name quickstart``), and every field can be overridden on the command
-line. Hydra's own logging and output directory are switched off in those files: the
-run writes its outputs (and the resolved ``config.yaml``) to ``run.dir``.
+line. Hydra's own settings (``parallel.train.hydra_conf``: its logging and output
+directory off, the sweep directory, ``--help``) come with ``<family>_hydra``: the run
+writes its outputs (and the resolved ``config.yaml``) to ``run.dir``; a sweep (``-m``)
+gives each job its own (``parallel.train.sweep``).
+
+Config errors, Hydra's own included (an unknown key, an ill-typed value), end the
+process with status 2 and one message, from rank 0 only (``docs/failures.md``).
 """
 
 from __future__ import annotations
 
+import io
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,6 +22,7 @@ from typing import Any
 import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ValidationError
 
 from parallel.launch import env_rank
 from parallel.train.config import UnknownKeyError, to_dataclass
@@ -24,39 +31,67 @@ from parallel.train.family import CONFIG_ROOT, Family
 __all__ = ["CONFIG_ROOT", "load_job", "main", "register"]
 
 
-def register(family: Family) -> str:
-    """Register the family's schema with Hydra; returns its name."""
+def register(family: Family, doc: str | None = None) -> str:
+    """Register the family's schema and its Hydra settings (``<family>_hydra``: output
+    directories, sweeps, ``--help`` from ``doc``) with Hydra; returns the schema's name."""
+    from parallel.train import hydra_conf
+
     name = f"{family.name}_schema"
     ConfigStore.instance().store(name=name, node=family.config_class)
+    hydra_conf.register(family, doc)
     return name
 
 
 def main(family: Family, config_name: str = "default") -> Any:
-    """Compose the config from ``configs/<family>/`` and the command line, then train."""
-    register(family)
+    """Compose the config from ``configs/<family>/`` and the command line, then train
+    (one run, or each job of a sweep)."""
+    from parallel.train import hydra_conf, sweep
+
+    register(family, hydra_conf.entry_doc())
+    stderr = sys.stderr
+    entered = False
 
     @hydra.main(version_base=None, config_path=str(CONFIG_ROOT / family.name), config_name=config_name)
     def _run(cfg: DictConfig) -> Any:
         from parallel.train.lifecycle import train
 
+        nonlocal entered
+        entered = True
+        sys.stderr = stderr
+        job_info = sweep.current_job()
+        if job_info is not None:
+            sweep.submitit_env()
+            sweep.adopt_run_dir(cfg, job_info)
         try:
             job = to_dataclass(cfg, family.config_class)
-        except UnknownKeyError as err:  # one clean line, like Hydra's own override errors
-            print(f"bad config: {err}", file=sys.stderr)
+        except (UnknownKeyError, ValidationError) as err:  # one clean line, like Hydra's own override errors
+            if env_rank() == 0:
+                print(f"bad config: {err}", file=sys.stderr)
+            if job_info is None:
+                raise SystemExit(2) from None
+            return sweep.run_job(lambda: _refuse(err), job_info, lambda: str(cfg.run.dir))
+        text = OmegaConf.to_yaml(cfg, resolve=True)
+        if job_info is None:
+            return train(job, family, text)
+        return sweep.run_job(lambda: train(job, family, text, in_sweep=True), job_info, lambda: job.run.dir)
+
+    if env_rank() != 0:  # every rank composes the same config: only rank 0 reports its errors
+        sys.stderr = io.StringIO()
+    try:
+        result = _run()
+    except SystemExit as exc:
+        if not entered and exc.code == 1:  # Hydra's own config errors (unknown key, ill-typed value)
             raise SystemExit(2) from None
-        _write_config(cfg, job)
-        return train(job, family)
+        raise
+    finally:
+        sys.stderr = stderr
+    if sweep.FAILED:
+        raise SystemExit(1)
+    return result
 
-    return _run()
 
-
-def _write_config(cfg: DictConfig, job: Any) -> None:
-    """Rank 0 (by launcher env) saves the resolved config as ``run.dir/config.yaml``."""
-    if env_rank() != 0:
-        return
-    path = Path(job.run.dir) / "config.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(OmegaConf.to_yaml(cfg, resolve=True), encoding="utf-8")
+def _refuse(err: Exception) -> Any:
+    raise SystemExit(2) from err
 
 
 def load_job(run_dir: str | Path, family: Family) -> Any:

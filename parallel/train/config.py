@@ -273,7 +273,11 @@ class RunConfig:
     """Outputs and reporting."""
 
     dir: str = "runs/default"
-    """Run directory: checkpoints/, metrics.jsonl, TensorBoard events, mlperf.log, summary.json."""
+    """Run directory: checkpoints/, metrics.jsonl, TensorBoard events, mlperf.log, summary.json.
+    The configs date it (``runs/<model>/${now:...}``); one that already holds a run is
+    refused unless ``train.resume`` or ``run.overwrite`` (``parallel.train.rundir``)."""
+    overwrite: bool = False
+    """Start afresh in a ``run.dir`` that holds a run: its files move to ``run.dir/previous_<k>/``."""
     checkpoint_every: int = 0
     """Also write ``last.pt`` every this many steps (0: only at epoch ends and at the end)."""
     keep_checkpoints: int = 1

@@ -14,7 +14,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn
 
 import torch
 
@@ -44,10 +44,14 @@ CLEAN_ERRORS = (preflight.InputError, checkpoint.CheckpointError, SampleReadErro
                 FileNotFoundError, PermissionError, NonFiniteError)
 
 
-def train(cfg: JobConfig, family: Family) -> dict[str, Any]:
+def train(cfg: JobConfig, family: Family, config_text: str | None = None, in_sweep: bool = False) -> dict[str, Any]:
     """Run a training job from ``cfg``; returns the summary (on every rank).
 
     Any failure ends the process with a non-zero status (see the module docstring).
+    ``config_text``: the resolved config, saved as ``run.dir/config.yaml`` once the run
+    directory is settled (``parallel.train.rundir``). ``in_sweep``: one job of a Hydra
+    sweep run in this process, which a failure alike on every rank (bad config or data)
+    ends with ``SystemExit`` instead of ending the process, so the sweep goes on.
     """
     setup_logging(cfg.run, env_rank())
     auto = preflight.is_auto(cfg.parallel.spatial)
@@ -73,17 +77,19 @@ def train(cfg: JobConfig, family: Family) -> dict[str, Any]:
             log.info("parallel.spatial=auto chose %s for %d ranks (parallel.plan)", "x".join(map(str, grid.spatial)),
                      grid.world_size)
     except ValueError as err:  # the grid does not fit the world size, or auto found no split
-        log.error("bad config: parallel.spatial=%s: %s", "auto" if auto else list(cfg.parallel.spatial), err)
+        if env_rank() == 0:  # every rank finds the same: one message
+            log.error("bad config: parallel.spatial=%s: %s", "auto" if auto else list(cfg.parallel.spatial), err)
         parallel.destroy()
-        raise SystemExit(EXIT_USER) from None
+        raise SystemExit(EXIT_USER) from err
     watchdog = None
     try:
         setup_logging(cfg.run, grid.rank)
+        save_config = _settle_run_dir(cfg, grid, config_text)
         watchdog = _start_watchdog(cfg, grid)
         _set_threads(grid)
-        summary = Trainer(cfg, family, grid, facts).fit()
+        summary = Trainer(cfg, family, grid, facts, on_start=save_config).fit()
     except BaseException as exc:  # noqa: BLE001 - every failure ends the job, loudly
-        _fail(exc, grid, watchdog)
+        _fail(exc, grid, watchdog, in_sweep)
     if watchdog is not None:
         watchdog.stop()  # before the barrier: nobody watches a peer that has left
     parallel.destroy(cfg.parallel.timeout_s)  # waits for every rank before the group goes
@@ -96,12 +102,54 @@ def _set_threads(grid: Grid) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(grid.local_size, 1)))
 
 
+def _settle_run_dir(cfg: JobConfig, grid: Grid, config_text: str | None) -> Callable[[], None]:
+    """Rank 0 applies the run-directory rule (``rundir.prepare``) before anything is
+    written; every rank takes rank 0's ``run.dir`` (a dated one may differ by a second)
+    or raises its refusal alike. Returns what saves ``config.yaml`` (rank 0), for the
+    trainer to call once a resume is known to proceed."""
+    from parallel import comm
+    from parallel.train import rundir
+
+    answer: dict[str, str] = {"dir": cfg.run.dir}
+    if grid.rank == 0:
+        try:
+            answer["note"] = rundir.prepare(cfg.run.dir, cfg.train.resume, cfg.run.overwrite)
+        except rundir.RunDirError as err:
+            answer["error"] = str(err)
+    if grid.world_size > 1:
+        raw = comm.all_gather_bytes(json.dumps(answer).encode(), grid.world_group, caller="lifecycle.run_dir")
+        answer = json.loads(raw[0].decode())
+    if "error" in answer:
+        raise rundir.RunDirError(answer["error"])
+    cfg.run.dir = answer["dir"]
+    log.info("%s", answer["note"] if "note" in answer else cfg.run.dir)
+    return lambda: _save_config(cfg, grid, config_text)
+
+
+def _save_config(cfg: JobConfig, grid: Grid, config_text: str | None) -> None:
+    """Rank 0 writes ``run.dir/config.yaml``; a resumed run keeps the earlier session's
+    as ``config.yaml.<k>`` when the settings differ."""
+    if grid.rank == 0 and config_text is not None:
+        path = Path(cfg.run.dir) / "config.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if cfg.train.resume and path.is_file() and path.read_text(encoding="utf-8") != config_text:
+            k = 1
+            while path.with_name(f"config.yaml.{k}").exists():
+                k += 1
+            path.rename(path.with_name(f"config.yaml.{k}"))  # the earlier session's settings stay
+        path.write_text(config_text, encoding="utf-8")
+
+
 def _start_watchdog(cfg: JobConfig, grid: Grid) -> Watchdog | None:
     """The watchdog of a multi-rank job; rank 0 writes ``run.dir/ranks.json`` (host, pid)."""
     address = grid.store_address
     if grid.world_size == 1 or address is None:
         return None
-    attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    from parallel.launch import init_count
+
+    # the restart of torchrun's agent, and the job of a sweep run in these processes
+    attempt = (f"{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+               f"/{init_count()}")
     wd = Watchdog(grid.rank, grid.world_size, address, cfg.parallel.timeout_s, cfg.parallel.heartbeat_s,
                   launcher=grid.launcher, namespace=f"spatialcnn/watchdog/{attempt}").start()
     if grid.rank == 0:
@@ -114,20 +162,24 @@ def _start_watchdog(cfg: JobConfig, grid: Grid) -> Watchdog | None:
     return wd
 
 
-def _fail(exc: BaseException, grid: Grid, watchdog: Watchdog | None) -> NoReturn:
+def _fail(exc: BaseException, grid: Grid, watchdog: Watchdog | None, in_sweep: bool = False) -> NoReturn:
     """Report ``exc`` (once, cleanly) and end this process, or with the watchdog, the job."""
     if isinstance(exc, SystemExit) and not exc.code:
         exc = RuntimeError("exited early (SystemExit)")
     user = isinstance(exc, CLEAN_ERRORS)
     code = EXIT_USER if isinstance(exc, preflight.InputError) else EXIT_FAILURE
     collective = bool(getattr(exc, "collective", False))
+    if watchdog is not None and collective and in_sweep:
+        # Every rank stops here alike: leave together and let the sweep run its next job.
+        watchdog.stop()
+        watchdog = None
     if watchdog is None:
-        if user:
+        if user and (grid.rank == 0 or not collective):
             log.error("%s", exc)
         else:
             log.error("failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
         parallel.destroy()
-        raise SystemExit(code) from None
+        raise SystemExit(code) from exc
     if not user and not watchdog.blames_peer(exc):
         log.error("rank %d: %s: %s", grid.rank, type(exc).__name__, exc, exc_info=exc)
     watchdog.fail(exc, own_error=user, code=code, collective=collective)

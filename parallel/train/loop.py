@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from parallel import comm
@@ -40,23 +40,31 @@ class Trainer:
     """One job's state; ``fit`` runs it to the end (epochs, max_steps or target)."""
 
     def __init__(self, cfg: JobConfig, family: Family, grid: Grid,
-                 facts: preflight.SampleFacts | None = None) -> None:
+                 facts: preflight.SampleFacts | None = None, on_start: Callable[[], None] | None = None) -> None:
+        """``on_start``: called (every rank) once the checks passed and a resume is known
+        to proceed, before any file of the run is written, moved or cut."""
         self.cfg, self.family, self.grid = cfg, family, grid
         run_dir = Path(cfg.run.dir)
         self.ckpt_path = checkpoint.checkpoint_path(run_dir)
         self.resuming = cfg.train.resume and self.ckpt_path.is_file()
-        if grid.rank == 0:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            if not self.resuming:
-                for name in ("mlperf.log", "summary.json"):
-                    (run_dir / name).unlink(missing_ok=True)
-        comm.barrier(grid.world_group, caller="Trainer: old logs removed")
-        self.ml = open_log(cfg, grid, family.name)
-        log_submission(self.ml, cfg, grid, family.name, n_nodes=grid.node_count)
-
         # bad files stop the job here, on every rank; the facts are read once and handed on
         facts = preflight.check_data(cfg, family, grid, facts)
-        preflight.check_model(family, cfg.model, facts.volume, facts.channels, grid)
+        preflight.check_model(family, cfg.model, facts.volume, facts.channels, grid, cfg.train)
+        meta = {"family": family.name, "volume": list(facts.volume), "model": plain_config(cfg.model)}
+        self._ckpt = None
+        if self.resuming:  # a checkpoint of another model is refused before any log is moved or cut
+            self._ckpt = checkpoint.load_latest(self.ckpt_path, map_location=grid.device)
+            try:
+                checkpoint.check_matches(self._ckpt[0], meta, self._ckpt[1])
+            except checkpoint.CheckpointError as err:  # a config that does not fit: exit 2, like other config errors
+                raise preflight.InputError(str(err)) from None
+        if on_start is not None:
+            on_start()
+        if grid.rank == 0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        comm.barrier(grid.world_group, caller="Trainer: run.dir ready")
+        self.ml = open_log(cfg, grid, family.name)
+        log_submission(self.ml, cfg, grid, family.name, n_nodes=grid.node_count)
         self.ml.start(C.STAGING_START)
         self.data = build_data(cfg, family, grid, facts)
         self.ml.end(C.STAGING_STOP, staging_duration=self.data.staging_seconds)
@@ -72,10 +80,10 @@ class Trainer:
                                  self.steps_per_epoch, cfg.train.epochs)
         scaler = torch.amp.GradScaler("cuda") if cfg.train.precision == "fp16" else None
         self.target = family.target if cfg.train.target is None else cfg.train.target
-        meta = {"family": family.name, "volume": list(self.data.volume), "model": plain_config(cfg.model)}
         self.state = TrainState(self.model, self.optimizer, scaler, self.steps_per_epoch, meta)
         self.progress = self.state.progress
         self.saved_step: int | None = None
+        self._run_s_before = 0.0  # run seconds of earlier sessions (a resumed run)
         if self.resuming:
             self._resume()
         guard = NonFiniteGuard(cfg.train.nonfinite, cfg.train.max_skipped_steps, self.progress, self._last_good)
@@ -90,9 +98,12 @@ class Trainer:
 
     # -- checkpoints -----------------------------------------------------------------
     def _resume(self) -> None:
-        ckpt, path = checkpoint.load_latest(self.ckpt_path, map_location=self.grid.device)
+        ckpt, path = self._ckpt if self._ckpt is not None else checkpoint.load_latest(
+            self.ckpt_path, map_location=self.grid.device)
+        self._ckpt = None  # the loaded tensors are not kept
         self.state.load_state_dict(ckpt, path)
         self.saved_step = self.progress.step
+        self._run_s_before = self.progress.run_s
         checkpoint.restore_rng(ckpt, self.grid, self.cfg.train.seed, self.model)
         log.info("resumed from %s at step %d (epoch %d)", path, self.progress.step, self.progress.epoch)
 
@@ -116,6 +127,8 @@ class Trainer:
         if cfg.train.max_steps:
             total = min(total, cfg.train.max_steps)
         rep = Reporter(cfg.run, grid, total, p.step, self.resuming)
+        first_step, first_samples = p.step, p.samples  # this session's figures start here
+        self._io0 = (p.io.bytes_read, p.io.wait_seconds, p.io.samples)
         self.ml.end(C.INIT_STOP)
         self.ml.start(C.RUN_START)
         t_run = time.perf_counter() - p.run_s
@@ -171,14 +184,19 @@ class Trainer:
         if status != "success" and p.best is not None and fam.reached(p.best, self.target):
             status = "success"
         run_s = time.perf_counter() - t_run
-        self.ml.end(C.RUN_STOP, status=status)
+        self.ml.end(C.RUN_STOP, status=status)  # MLPerf knows only success and aborted
+        if status != "success":  # the summary says why the run ended
+            status = "max_steps" if cfg.train.max_steps and p.step >= cfg.train.max_steps else "completed"
+        session = {"first_step": first_step, "steps": p.step - first_step, "samples": p.samples - first_samples,
+                   "train_seconds": train_s}
         self.ml.close()
         per_rank = self._per_rank()
         summary = summarize(grid, {
             "status": status, "steps": p.step, "epochs": p.step / spe, "metric": metric_key,
             "best_metric": p.best, "target": self.target, "time_to_target_s": p.reached_s,
-            "run_seconds": run_s, "train_seconds": train_s,
-            "samples_per_s": (p.step * cfg.train.global_batch_size / train_s) if train_s > 0 else 0.0,
+            "run_seconds": run_s - self._run_s_before, "run_seconds_all_sessions": run_s, "train_seconds": train_s,
+            "samples_per_s": session["samples"] / train_s if train_s > 0 else 0.0, "session": session,
+            "run_dir": cfg.run.dir,
             "last_eval_step": last_eval_step, "skipped_steps": p.skipped_steps,
             "skipped_samples": int(round(_data_mean(torch.tensor(float(p.skipped_samples), device=grid.device), grid)
                                          * grid.data_size)),
@@ -211,8 +229,9 @@ class Trainer:
 
     def _per_rank(self) -> torch.Tensor:
         io = self.progress.io
-        return gather_per_rank([peak_memory_bytes(self.grid.device), io.bytes_read, io.wait_seconds, io.samples],
-                               self.grid)
+        b0, w0, s0 = getattr(self, "_io0", (0, 0.0, 0))  # this session's reading only
+        return gather_per_rank([peak_memory_bytes(self.grid.device), io.bytes_read - b0, io.wait_seconds - w0,
+                                io.samples - s0], self.grid)
 
 
 def _data_mean(x: torch.Tensor, grid: Grid) -> float:

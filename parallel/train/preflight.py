@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -242,12 +243,16 @@ def _gather_lines(lines: list[str], grid: Grid) -> list[str]:
     return merged
 
 
-def check_model(family: Family, model_cfg: Any, volume: Sequence[int], channels: int, grid: Grid) -> None:
-    """Raise ``InputError`` when a layer's input or output along a split dim has fewer
-    voxels than blocks (a stride or pooling shrank it below the split), naming the layer.
+def check_model(family: Family, model_cfg: Any, volume: Sequence[int], channels: int, grid: Grid,
+                train: Any = None) -> None:
+    """Raise ``InputError`` for a model/volume mismatch that would fail the first step,
+    naming the layer and the sizes: a norm layer left with one voxel per channel
+    (InstanceNorm on a 1x1x1 bottleneck; BatchNorm also with one sample per rank, from
+    ``train``, the ``TrainConfig``), a kernel or stride beyond what reaches the layer, and
+    a layer's input or output along a split dim with fewer voxels than blocks.
 
     The serial model is traced on the meta device (``parallel.plan.trace``: shapes only,
-    nothing is allocated).
+    nothing is allocated), at every grid.
     """
     from parallel.plan.trace import trace
 
@@ -256,16 +261,32 @@ def check_model(family: Family, model_cfg: Any, volume: Sequence[int], channels:
             model = family.build_model(model_cfg, tuple(int(v) for v in volume))
     except (ValueError, TypeError) as err:  # the model's own checks of its config against the volume
         raise InputError(f"{family.name} model: {err}") from err
-    if grid.spatial_size == 1:
-        return
+    where = f"a volume of {list(volume)}"
+    local_batch = None
+    if train is not None:
+        local_batch = max(1, train.global_batch_size // max(1, grid.data_size * train.accum_steps))
+    entered: list[tuple[str, torch.nn.Module, tuple[int, ...]]] = []
+    hooks = [m.register_forward_pre_hook(_norm_check(name, where, local_batch, entered))
+             for name, m in model.named_modules() if not list(m.children())]
     try:
         layers = trace(model, (channels, *volume))
-    except (NotImplementedError, RuntimeError) as err:
+    except InputError:
+        raise
+    except (NotImplementedError, RuntimeError, ValueError) as err:
         if isinstance(err, NotImplementedError) or "meta" in str(err).lower():
             log.debug("shape check skipped: the model does not run on the meta device (%s)", err)
             return
-        raise InputError(f"the model ({family.name}, model config {model_cfg}) cannot run on a volume of "
-                         f"{list(volume)}: {err}") from err
+        if entered:
+            name, module, shape = entered[-1]
+            raise InputError(f"layer '{name}' ({type(module).__name__}) cannot take its input of "
+                             f"{'x'.join(map(str, shape))} voxels (C x D x H x W, per sample) at {where}: "
+                             f"{str(err).splitlines()[0]}; use a larger volume or a shallower model") from err
+        raise InputError(f"the model ({family.name}, model config {model_cfg}) cannot run on {where}: {err}") from err
+    finally:
+        for h in hooks:
+            h.remove()
+    if grid.spatial_size == 1:
+        return
     for layer in layers:
         if len(layer.in_shape) != 4 or len(layer.out_shape) != 4:
             continue
@@ -277,3 +298,29 @@ def check_model(family: Family, model_cfg: Any, volume: Sequence[int], channels:
                     f"{DIM_NAMES[axis]} (input {n_in[axis]}) cannot be split {parts} ways for "
                     f"parallel.spatial={list(grid.spatial)} and a volume of {list(volume)}; use fewer "
                     f"blocks along {DIM_NAMES[axis]}, a larger volume or a shallower model")
+
+
+def _norm_check(name: str, where: str, local_batch: int | None, entered: list) -> Any:
+    """A forward pre-hook that notes the layer entered and refuses a norm layer whose
+    statistics would span one value per channel (torch raises at the first training step)."""
+
+    def hook(module: torch.nn.Module, args: tuple) -> None:
+        x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if x is None:
+            return
+        entered.append((name, module, tuple(x.shape[1:])))
+        voxels = math.prod(x.shape[2:]) if x.dim() > 2 else 1
+        size = "x".join(map(str, x.shape[2:])) or "1"
+        kind = type(module).__name__
+        if isinstance(module, torch.nn.modules.instancenorm._InstanceNorm) and voxels <= 1:
+            raise InputError(f"layer '{name}' ({kind}) normalises each channel over its {size} voxel(s) at {where}: "
+                             "instance norm needs more than one (torch: 'Expected more than 1 spatial element "
+                             "when training'); use a larger volume (or data.crop) or a shallower model")
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and local_batch is not None \
+                and voxels * local_batch <= 1:
+            raise InputError(f"layer '{name}' ({kind}) normalises each channel over {size} voxel(s) x {local_batch} "
+                             f"sample(s) per rank at {where}: batch norm needs more than one value (torch: 'Expected "
+                             "more than 1 value per channel when training'); use a larger volume, a larger "
+                             "train.global_batch_size per data group, or another model.norm")
+
+    return hook

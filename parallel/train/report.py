@@ -178,13 +178,20 @@ def format_summary(s: dict[str, Any]) -> str:
     mib = [f"{v / 2**20:.0f}" for v in s["peak_memory_bytes_per_rank"]]
     per_sample = [f"{v / 2**10:.1f}" for v in s["bytes_read_per_rank_per_sample"]]
     ttt = s.get("time_to_target_s")
+    why = {"success": "reached the target", "max_steps": "stopped at train.max_steps",
+           "completed": "completed train.epochs without reaching the target"}.get(s["status"], s["status"])
+    sess = s.get("session") or {}
+    resumed = f", resumed at step {sess['first_step']}" if sess.get("first_step") else ""
     lines = [
-        f"status: {s['status']} after {s['steps']} steps, {s['epochs']:.2f} epochs "
-        f"(grid data {s['grid']['data']} x spatial {s['grid']['spatial']})",
+        f"status: {s['status']} ({why}) after {s['steps']} steps, {s['epochs']:.2f} epochs "
+        f"(grid data {s['grid']['data']} x spatial {s['grid']['spatial']}){resumed}",
         f"{s['metric']}: {s.get('best_metric')} (target {s['target']})"
         + (f", time to target {ttt:.1f} s" if ttt is not None else ", target not reached"),
-        f"train throughput {s['samples_per_s']:.2f} samples/s, run time {s['run_seconds']:.1f} s",
+        f"this session: {sess.get('steps', s['steps'])} steps, {sess.get('samples', 0)} samples; train throughput "
+        f"{s['samples_per_s']:.2f} samples/s, run time {s['run_seconds']:.1f} s",
         f"peak memory per rank (MiB): {', '.join(mib)}",
         f"bytes read per rank per sample (KiB): {', '.join(per_sample)}",
     ]
+    if s.get("run_dir"):
+        lines.append(f"run.dir: {s['run_dir']}")
     return "\n".join(lines)
