@@ -58,8 +58,9 @@ def train(cfg: JobConfig, family: Family, config_text: str | None = None, in_swe
     try:
         preflight.validate_config(cfg)
     except preflight.ConfigError as err:
-        log.error("bad config: %s", err)
-        raise SystemExit(EXIT_USER) from None
+        if env_rank() == 0:  # every rank finds the same: one message
+            log.error("bad config: %s", err)
+        raise SystemExit(EXIT_USER) from err
     facts: preflight.SampleFacts | None = None
 
     def decide(world: Any) -> list[int]:  # rank 0, once the process group runs; facts are not read again
