@@ -150,7 +150,8 @@ class Check:
                       "run.progress=false", "run.tensorboard=false", "mlperf.enabled=false",
                       f"train.global_batch_size={2 if model == 'unet3d' else 4}"]
             cmd = [*self.launcher(self.ranks), "-m", f"{model}.train", *common]
-            first = self.run(f"train {model} {precision}", [*cmd, "train.max_steps=2", "train.eval_at_end=false"], 600)
+            first = self.run(f"train {model} {precision}", [*cmd, "train.max_steps=2", "train.eval_at_end=false",
+                                                                 "run.overwrite=true"], 600)  # a rerun of the check
             first.data["summary"] = _summary(run_dir)
             self.record(_with_summary(first))
             if first.status != "pass":

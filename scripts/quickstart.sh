@@ -8,7 +8,8 @@
 #
 # Environment: MODEL (cosmoflow|unet3d), NPROC (2), LAUNCHER (mpirun|torchrun),
 # DATA (data/<model>_quick), RUN (runs/<model>_quickstart), TIMEOUT (900 s).
-# Extra arguments are Hydra overrides passed to training.
+# Extra arguments are Hydra overrides passed to training. A rerun starts afresh in the same
+# RUN (run.overwrite=true): the previous run's files move to $RUN/previous_<k>/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,7 +35,7 @@ if [ ! -f "$DATA/val/manifest.json" ]; then
     python -m "$MODEL.prepare" synthetic --out "$DATA" "${GEN[@]}" --seed 0
 fi
 
-ARGS=(-m "$MODEL.train" --config-name quickstart "data.dir=$DATA" "run.dir=$RUN" "parallel.spatial=[$NPROC,1,1]" "$@")
+ARGS=(-m "$MODEL.train" --config-name quickstart "data.dir=$DATA" "run.dir=$RUN" "parallel.spatial=[$NPROC,1,1]" run.overwrite=true "$@")
 start=$(date +%s)
 if [ "$LAUNCHER" = torchrun ]; then
     timeout "$TIMEOUT" torchrun --standalone --nproc_per_node "$NPROC" "${ARGS[@]}"

@@ -22,5 +22,5 @@ if ! python -c "import torch" 2>/dev/null; then
     echo "setup: no torch found; installing the CPU build (${TORCH_SPEC:-torch==2.13.0})"
     python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}" || python -m pip install -q "torch>=2.4"
 fi
-python -m pip install -q -e ".[mpi,test,monai]"
+python -m pip install -q -e ".[mpi,test,monai,slurm]"
 echo "setup: done ($(python -c 'import torch; print("torch", torch.__version__)'), $(command -v mpirun || echo 'no mpirun'))"

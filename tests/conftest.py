@@ -67,6 +67,9 @@ TIERS = {
     "test_train_config": "unit",
     "test_train_equivalence": "launch",
     "test_train_resume": "launch",
+    "test_train_runs": "unit",
+    "test_train_sweeps": "launch",
+    "test_docs_commands": "launch",
     "test_train_state": "unit",
     "test_verify": "ranks",
     "test_watchdog": "unit",
@@ -81,6 +84,9 @@ SLOW = {
     "test_resume_grid.py::test_stop_at_one_grid_resume_at_others",
     "test_train_equivalence.py::test_data_and_spatial_axes_interchange",
     "test_train_equivalence.py::test_spatial_splits_equal_serial",
+    "test_train_runs.py::test_a_used_run_dir_is_refused_overwritten_aside_or_resumed",
+    "test_train_sweeps.py::test_sweep_gives_each_job_its_run_dir_and_a_table",
+    "test_train_sweeps.py::test_submitit_launcher_starts_each_jobs_ranks",
 }
 
 

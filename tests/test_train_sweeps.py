@@ -1,0 +1,119 @@
+"""Hydra sweeps: every job its own complete run directory, the table of jobs in the sweep
+directory, a failed job that does not stop the rest; in one process, with every rank of a
+torchrun job running the sweep, and with each job starting its own ranks (submitit's local
+executor); the launchers' configs compose with the spatial group's tasks per node."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from cosmoflow.family import FAMILY as COSMO
+from parallel.train.cli import CONFIG_ROOT, register
+from train_helpers import BIN, REPO, env, prepare
+
+SWEEP = ["-m", "--config-name", "smoke", "train.max_steps=2", "run.log_rank=0"]  # Hydra's flags before overrides
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return prepare("cosmoflow", tmp_path_factory.mktemp("cosmo16"), 16, 8, 4)
+
+
+def _sweep(cmd: list[str], timeout: float = 400) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, env=env(), cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def _complete(run: Path, spatial: list[int]) -> dict:
+    """A finished run directory: checkpoint, metrics, a closed MLPerf log, the summary."""
+    assert (run / "checkpoints" / "last.pt").is_file() and (run / "config.yaml").is_file()
+    assert [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()][-1] == 2
+    keys = [json.loads(l.split(":::MLLOG ", 1)[1])["key"] for l in (run / "mlperf.log").read_text().splitlines()]
+    assert keys.count("run_start") == 1 and keys[-1] == "run_stop"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["grid"]["spatial"] == spatial and summary["run_dir"] == str(run)
+    return summary
+
+
+def _table(sweep: Path) -> list[dict]:
+    rows = list(csv.DictReader((sweep / "sweep.csv").open()))
+    md = (sweep / "sweep.md").read_text().splitlines()
+    assert md[0].startswith("| job | status | exit_code | overrides") and len(md) == 2 + len(rows)
+    assert [json.loads(l)["job"] for l in (sweep / "sweep.jsonl").read_text().splitlines()] == \
+        [int(r["job"]) for r in rows]
+    return rows
+
+
+@pytest.mark.parametrize("launcher", ["python", "torchrun"])
+def test_sweep_gives_each_job_its_run_dir_and_a_table(data, tmp_path, launcher):
+    sweep = tmp_path / "sweep"
+    if launcher == "python":  # a job that fails (a config value that cannot work) between two that run
+        cmd = [sys.executable, "-m", "cosmoflow.train", *SWEEP, f"data.dir={data}",
+               f"hydra.sweep.dir={sweep}", "optim.lr=0.005,-1,0.01"]
+        spatial, jobs = [1, 1, 1], {0: "0.005", 2: "0.01"}
+    else:
+        cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "cosmoflow.train", *SWEEP,
+               f"data.dir={data}", f"hydra.sweep.dir={sweep}", "parallel.spatial=[2,1,1]", "optim.lr=0.005,0.01"]
+        spatial, jobs = [2, 1, 1], {0: "0.005", 1: "0.01"}
+    proc = _sweep(cmd)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == (1 if launcher == "python" else 0), out[-4000:]
+    lrs = {}
+    for job, lr in jobs.items():
+        _complete(sweep / str(job), spatial)
+        lrs[job] = (sweep / str(job) / "config.yaml").read_text().split("\n  lr: ", 1)[1].split("\n")[0]
+        assert lrs[job] == lr
+    rows = _table(sweep)
+    assert [r["job"] for r in rows] == [str(j) for j in range(len(rows))]
+    for r in rows:
+        if int(r["job"]) in jobs:
+            assert r["status"] == "max_steps" and r["exit_code"] == "0" and r["metric"] == "val_mae"
+            assert float(r["best"]) > 0 and f"optim.lr={jobs[int(r['job'])]}" in r["overrides"]
+            assert r["run_dir"] == str(sweep / r["job"])
+    if launcher == "python":
+        failed = rows[1]
+        assert failed["status"] == "failed" and failed["exit_code"] == "2"
+        assert "optim.lr=-1.0: want > 0" in failed["error"] and not (sweep / "1" / "checkpoints").exists()
+        assert f"job(s) 1 failed; table in {sweep / 'sweep.md'}" in out
+    else:  # every rank runs the sweep; rank 0 alone writes the rows and speaks
+        assert out.count("every job ended; table in") == 1
+
+
+@pytest.mark.parametrize("launcher", ["spatial_local"])
+def test_submitit_launcher_starts_each_jobs_ranks(data, tmp_path, launcher):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    sweep = tmp_path / "sweep"
+    proc = _sweep([sys.executable, "-m", "cosmoflow.train", *SWEEP, f"hydra/launcher={launcher}",
+                   f"data.dir={data}", f"hydra.sweep.dir={sweep}", "parallel.spatial=[2,1,1]", "optim.lr=0.005,0.01"])
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    for job in (0, 1):
+        _complete(sweep / str(job), [2, 1, 1])
+    assert [r["status"] for r in _table(sweep)] == ["max_steps", "max_steps"]
+    # two submitit jobs, each of two tasks (its ranks) that met through the port task 0 wrote
+    jobs = [p for p in (sweep / ".submitit").iterdir() if p.name.isdigit()]
+    assert len(jobs) == 2
+    for job in jobs:
+        assert (job / f"{job.name}_rendezvous.txt").read_text().isdigit()
+        assert (job / f"{job.name}_0_log.err").is_file() and (job / f"{job.name}_1_log.err").is_file()
+
+
+@pytest.mark.unit
+def test_launcher_configs_take_the_spatial_groups_tasks_per_node():
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    register(COSMO)
+    with initialize_config_dir(config_dir=str(CONFIG_ROOT / "cosmoflow"), version_base=None):
+        for name, target in (("spatial_slurm", "SlurmLauncher"), ("spatial_local", "LocalLauncher")):
+            cfg = compose(config_name="quickstart", return_hydra_config=True,
+                          overrides=[f"hydra/launcher={name}", "parallel.spatial=[2,2,1]"])
+            launcher = cfg.hydra.launcher
+            assert launcher._target_.endswith(target) and launcher.tasks_per_node == 4 and launcher.nodes == 1
+        auto = compose(config_name="quickstart", return_hydra_config=True,
+                       overrides=["hydra/launcher=spatial_slurm", "parallel.spatial=auto"])
+        with pytest.raises(Exception, match=r"hydra\.launcher\.tasks_per_node"):
+            _ = auto.hydra.launcher.tasks_per_node
