@@ -87,7 +87,8 @@ def test_a_good_set_passes(good):
 
 
 def test_missing_or_unusable_data_dir(tmp_path, good):
-    _fails(_job(tmp_path / "nowhere"), r"data\.dir: .*nowhere does not exist")
+    _fails(_job(tmp_path / "nowhere"), r"data\.dir: .*nowhere does not exist; generate a set with "
+                                        r"`python -m cosmoflow\.prepare synthetic --out .*nowhere`")
     (tmp_path / "afile").write_text("x")
     _fails(_job(tmp_path / "afile"), r"data\.dir: .*afile is not a directory")
     (good / "val" / "manifest.json").unlink()
@@ -225,6 +226,43 @@ def test_model_strides_the_grid_cannot_split():
         check_model(COSMO, cfg, (16, 16, 16), 4, Grid((4, 1, 1), 4, 0))
 
 
+def test_norm_layers_left_with_one_voxel_and_kernels_beyond_the_volume():
+    from torch import nn
+
+    from parallel.train.config import TrainConfig
+    from parallel.train.family import model_config
+    from unet3d.family import FAMILY as UNET
+
+    deep = model_config(UNET)  # the MLPerf U-Net: 5 stride-2 levels take 32^3 to 1^3
+    for grid in (SERIAL, Grid((2, 1, 1), 2, 0)):  # the README's split, and serially (torch fails there too)
+        with pytest.raises(InputError, match=r"layer 'down\.4\.0\.1' \(InstanceNorm3d\) normalises each channel over "
+                                             r"its 1x1x1 voxel\(s\) at a volume of \[32, 32, 32\]: instance norm needs "
+                                             r"more than one"):
+            check_model(UNET, deep, (32, 32, 32), 1, grid, TrainConfig())
+    check_model(UNET, deep, (64, 64, 64), 1, SERIAL, TrainConfig())  # 2^3 at the bottleneck: fine
+    batch = model_config(UNET, ["model.norm=batch"])
+    check_model(UNET, batch, (32, 32, 32), 1, SERIAL, TrainConfig(global_batch_size=2))  # 2 samples per rank
+    with pytest.raises(InputError, match=r"\(BatchNorm3d\) normalises each channel over 1x1x1 voxel\(s\) x 1 "
+                                         r"sample\(s\) per rank .* train\.global_batch_size"):
+        check_model(UNET, batch, (32, 32, 32), 1, Grid((1, 1, 1), 2, 0), TrainConfig(global_batch_size=2))
+
+    class Wide(nn.Module):  # a kernel wider than what reaches it: torch's own check, named by layer
+        def __init__(self) -> None:
+            super().__init__()
+            self.pool = nn.MaxPool3d(4)
+            self.conv = nn.Conv3d(1, 2, 5)
+
+        def forward(self, x):
+            return self.conv(self.pool(x))
+
+    from dataclasses import replace
+
+    wide = replace(UNET, build_model=lambda cfg, volume: Wide())
+    with pytest.raises(InputError, match=r"layer 'conv' \(Conv3d\) cannot take its input of 1x4x4x4 voxels .* at a "
+                                         r"volume of \[16, 16, 16\]"):
+        check_model(wide, None, (16, 16, 16), 1, SERIAL)
+
+
 def test_world_size_the_grid_does_not_divide():
     check_world([2, 2, 1], 8)
     with pytest.raises(ConfigError, match=r"parallel\.spatial=\[2,2,1\] needs a multiple of 4 ranks, the job has 6"):
@@ -285,3 +323,48 @@ def test_cli_reports_bad_input_cleanly(good, tmp_path):
     # no traceback of ours (torchrun prints its own)
     assert not re.search(r'File ".*/(parallel|cosmoflow)/', out), out[-3000:]
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained
+
+
+@pytest.mark.launch
+def test_config_errors_exit_2_with_one_message_from_rank_0(tmp_path):
+    """Hydra's own errors and the grid's, under plain python and mpirun (whose status is the
+    ranks' when they leave together); the README's U-Net on 32^3 split 2 ways."""
+    def run(cmd: list[str]) -> tuple[int, str]:
+        proc = subprocess.run(cmd, env=env(), cwd=REPO, capture_output=True, text=True, timeout=240)
+        return proc.returncode, proc.stdout + proc.stderr
+
+    py = [sys.executable, "-m", "cosmoflow.train", "--config-name", "smoke"]
+    mpi = [str(BIN / "mpirun"), "-n", "2", sys.executable, "-m", "cosmoflow.train", "--config-name", "smoke"]
+    for cmd, said in ((py + ["train.foo=1"], "Could not override 'train.foo'"),
+                      (py + ["train.epochs=many"], "Value 'many' of type 'str' could not be converted to Integer"),
+                      (mpi + ["train.foo=1"], "Could not override 'train.foo'")):
+        code, out = run(cmd)
+        assert code == 2 and out.count(said) == 1 and "Traceback" not in out, out[-3000:]
+    data = tmp_path / "cosmo"
+    subprocess.run([sys.executable, "-m", "cosmoflow.prepare", "synthetic", "--out", str(data), "--size", "16",
+                    "--train", "2", "--val", "1", "--quiet"], env=env(), cwd=REPO, check=True, timeout=120)
+    code, out = run([str(BIN / "mpirun"), "-n", "3", sys.executable, *py[1:], f"data.dir={data}", "parallel.spatial=[2,1,1]"])
+    assert code == 2 and out.count("data x spatial(2x1x1) cannot equal 3") == 1, out[-3000:]
+    kits = tmp_path / "kits"
+    subprocess.run([sys.executable, "-m", "unet3d.prepare", "synthetic", "--out", str(kits), "--size", "32",
+                    "--train", "2", "--val", "1", "--quiet"], env=env(), cwd=REPO, check=True, timeout=120)
+    code, out = run([str(BIN / "mpirun"), "-n", "2", sys.executable, "-m", "unet3d.train", f"data.dir={kits}",
+                     "parallel.spatial=[2,1,1]", f"run.dir={tmp_path / 'u'}"])
+    errors = [line for line in out.splitlines() if " ERROR " in line]
+    assert code == 2 and len(errors) == 1 and "[rank 0]" in errors[0], out[-3000:]
+    assert "layer 'down.4.0.1' (InstanceNorm3d)" in errors[0] and "1x1x1 voxel(s)" in errors[0]
+    assert "Traceback" not in out and not (tmp_path / "u" / "checkpoints").exists()
+
+
+@pytest.mark.launch
+def test_help_names_the_program_and_its_keys():
+    for model in ("cosmoflow", "unet3d"):
+        proc = subprocess.run([sys.executable, "-m", f"{model}.train", "--help"], env=env(), cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+        out = proc.stdout
+        assert proc.returncode == 0 and out.startswith(f"python -m {model}.train: Train "), out[:500]
+        assert "powered by Hydra" not in out
+        for part in ("Configs (--config-name", "quickstart", "Config sections: data, parallel, train",
+                     "data.dir=DIR", "parallel.spatial=[sd,sh,sw]", "train.resume=true", "run.overwrite=true",
+                     f"python -m {model}.prepare synthetic", "spatial_slurm", "--multirun"):
+            assert part in out, (part, out)

@@ -73,7 +73,7 @@ def main(family: Family, config_name: str = "default") -> Any:
         text = OmegaConf.to_yaml(cfg, resolve=True)
         if job_info is None:
             return train(job, family, text)
-        return sweep.run_job(lambda: train(job, family, text, in_sweep=True), job_info, lambda: job.run.dir)
+        return sweep.run_job(lambda: train(job, family, text), job_info, lambda: job.run.dir)
 
     if env_rank() != 0:  # every rank composes the same config: only rank 0 reports its errors
         sys.stderr = io.StringIO()

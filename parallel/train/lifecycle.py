@@ -44,14 +44,14 @@ CLEAN_ERRORS = (preflight.InputError, checkpoint.CheckpointError, SampleReadErro
                 FileNotFoundError, PermissionError, NonFiniteError)
 
 
-def train(cfg: JobConfig, family: Family, config_text: str | None = None, in_sweep: bool = False) -> dict[str, Any]:
+def train(cfg: JobConfig, family: Family, config_text: str | None = None) -> dict[str, Any]:
     """Run a training job from ``cfg``; returns the summary (on every rank).
 
     Any failure ends the process with a non-zero status (see the module docstring).
     ``config_text``: the resolved config, saved as ``run.dir/config.yaml`` once the run
-    directory is settled (``parallel.train.rundir``). ``in_sweep``: one job of a Hydra
-    sweep run in this process, which a failure alike on every rank (bad config or data)
-    ends with ``SystemExit`` instead of ending the process, so the sweep goes on.
+    directory is settled (``parallel.train.rundir``). A failure alike on every rank (bad
+    config or data) ends with ``SystemExit`` on every rank, together, so every launcher
+    reports its status (2) and a sweep run in these processes goes on to its next job.
     """
     setup_logging(cfg.run, env_rank())
     auto = preflight.is_auto(cfg.parallel.spatial)
@@ -90,7 +90,7 @@ def train(cfg: JobConfig, family: Family, config_text: str | None = None, in_swe
         _set_threads(grid)
         summary = Trainer(cfg, family, grid, facts, on_start=save_config).fit()
     except BaseException as exc:  # noqa: BLE001 - every failure ends the job, loudly
-        _fail(exc, grid, watchdog, in_sweep)
+        _fail(exc, grid, watchdog)
     if watchdog is not None:
         watchdog.stop()  # before the barrier: nobody watches a peer that has left
     parallel.destroy(cfg.parallel.timeout_s)  # waits for every rank before the group goes
@@ -163,20 +163,22 @@ def _start_watchdog(cfg: JobConfig, grid: Grid) -> Watchdog | None:
     return wd
 
 
-def _fail(exc: BaseException, grid: Grid, watchdog: Watchdog | None, in_sweep: bool = False) -> NoReturn:
+def _fail(exc: BaseException, grid: Grid, watchdog: Watchdog | None) -> NoReturn:
     """Report ``exc`` (once, cleanly) and end this process, or with the watchdog, the job."""
     if isinstance(exc, SystemExit) and not exc.code:
         exc = RuntimeError("exited early (SystemExit)")
     user = isinstance(exc, CLEAN_ERRORS)
     code = EXIT_USER if isinstance(exc, preflight.InputError) else EXIT_FAILURE
     collective = bool(getattr(exc, "collective", False))
-    if watchdog is not None and collective and in_sweep:
-        # Every rank stops here alike: leave together and let the sweep run its next job.
+    if watchdog is not None and collective:
+        # Every rank stops here alike: leave together, through the normal exit, so that
+        # mpirun reports the status too (a rank that left by os._exit makes it kill the rest).
         watchdog.stop()
         watchdog = None
     if watchdog is None:
-        if user and (grid.rank == 0 or not collective):
-            log.error("%s", exc)
+        if user:
+            if grid.rank == 0 or not collective:  # every rank found the same: one message
+                log.error("%s", exc)
         else:
             log.error("failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
         parallel.destroy()

@@ -197,6 +197,9 @@ def check_data(cfg: JobConfig, family: Family, grid: Grid, facts: SampleFacts | 
     mode = str(cfg.data.check)
     splits = [("train", cfg.data.train_subdir), ("val", cfg.data.val_subdir)]
     root = Path(cfg.data.dir)
+    if not root.exists():
+        raise InputError(f"data.dir: {root} does not exist; generate a set with {family.prepare_hint(cfg.data.dir)} "
+                         "or point data.dir at one")
     if not root.is_dir() or not os.access(root, os.R_OK | os.X_OK):
         _readable_dir(root, "data.dir")
     roots = []
@@ -268,6 +271,7 @@ def check_model(family: Family, model_cfg: Any, volume: Sequence[int], channels:
     entered: list[tuple[str, torch.nn.Module, tuple[int, ...]]] = []
     hooks = [m.register_forward_pre_hook(_norm_check(name, where, local_batch, entered))
              for name, m in model.named_modules() if not list(m.children())]
+    model.eval()  # a batch of one on the tracer: batch norm's own check is the pre-hook's, per rank's batch
     try:
         layers = trace(model, (channels, *volume))
     except InputError:
