@@ -12,6 +12,8 @@ if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
     sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'
     exit 0
 fi
+# scripts/check_docs.py runs the documented scripts inside an environment already set up
+if [[ -n "${SPATIALCNN_SKIP_SETUP:-}" ]]; then return 0 2> /dev/null || exit 0; fi
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [[ -z "${VIRTUAL_ENV:-}" ]]; then
     [[ -x .venv/bin/python ]] || python3 -m venv .venv
