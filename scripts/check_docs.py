@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -117,12 +117,13 @@ RULES = [
     Rule(r"\.predict --run-dir RUN", "skip", "placeholders RUN, DIR; tests/test_predict.py runs both predict CLIs"),
     # -- clusters and submissions
     Rule(r"submit\.sh --system h200x8", "ci", "--dry-run: prints the sbatch command for the 16-node system",
-         append="--dry-run"),
+         sub=((r"--system h200x8", "--system h200x8 --dry-run"),)),
     Rule(r"submit\.sh --system local", "all", "trainings to the target as written (minutes)", slurm=True,
          timeout=3600),
     Rule(r"sbatch -N 16 .*scripts/run\.sub", "skip", "16 nodes of 8 GPUs (submit.sh --dry-run above shows the call)"),
     Rule(r"collect_results\.py", "skip", "needs a submission's logs (tests/test_cluster_scripts.py collects one)"),
     # -- performance
+    Rule(r"^python -m parallel\.plan .*--alpha", "all", "the same tool as README's plan command, which CI runs"),
     Rule(r"^python -m parallel\.plan ", "ci"),
     Rule(r"^python scripts/benchmark\.py ", "all", "as written (minutes each)", timeout=3600),
 ]
@@ -229,13 +230,18 @@ def run(cmd: Command, workdir: Path) -> tuple[bool, float, str]:
     text = small(cmd)
     fixtures(workdir, text, env)
     t0 = time.monotonic()
+    # its own session: a timeout ends every process the command started, launchers' ranks included
+    proc = subprocess.Popen(["bash", "-c", f"set -eo pipefail; {text}"], cwd=workdir, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(["bash", "-c", f"set -eo pipefail; {text}"], cwd=workdir, env=env, capture_output=True,
-                              text=True, timeout=cmd.rule.timeout, stdin=subprocess.DEVNULL)
-        ok, out = proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}{proc.stderr}"
-    except subprocess.TimeoutExpired as err:
-        ok, out = False, f"timed out after {cmd.rule.timeout:.0f} s\n{err.stdout or ''}{err.stderr or ''}"
-    return ok, time.monotonic() - t0, out[-4000:] if isinstance(out, str) else str(out)[-4000:]
+        out, _ = proc.communicate(timeout=cmd.rule.timeout)
+        ok, out = proc.returncode == 0, f"exit {proc.returncode}\n{out}"
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        ok, out = False, f"timed out after {cmd.rule.timeout:.0f} s\n{out}"
+    return ok, time.monotonic() - t0, out[-4000:]
 
 
 def main(argv: list[str] | None = None) -> int:
