@@ -13,7 +13,10 @@ if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
     exit 0
 fi
 # scripts/check_docs.py runs the documented scripts inside an environment already set up
-if [[ -n "${SPATIALCNN_SKIP_SETUP:-}" ]]; then return 0 2> /dev/null || exit 0; fi
+if [[ -n "${SPATIALCNN_SKIP_SETUP:-}" ]]; then
+    # shellcheck disable=SC2317  # return when sourced, exit when run
+    return 0 2> /dev/null || exit 0
+fi
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [[ -z "${VIRTUAL_ENV:-}" ]]; then
     [[ -x .venv/bin/python ]] || python3 -m venv .venv
