@@ -53,37 +53,36 @@ def _table(sweep: Path) -> list[dict]:
 
 @pytest.mark.parametrize("launcher", ["python", "torchrun"])
 def test_sweep_gives_each_job_its_run_dir_and_a_table(data, tmp_path, launcher):
-    sweep = tmp_path / "sweep"
-    if launcher == "python":  # a job that fails (a config value that cannot work) between two that run
-        cmd = [sys.executable, "-m", "cosmoflow.train", *SWEEP, f"data.dir={data}",
-               f"hydra.sweep.dir={sweep}", "optim.lr=0.005,-1,0.01"]
-        spatial, jobs = [1, 1, 1], {0: "0.005", 2: "0.01"}
-    else:
-        cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "cosmoflow.train", *SWEEP,
-               f"data.dir={data}", f"hydra.sweep.dir={sweep}", "parallel.spatial=[2,1,1]", "optim.lr=0.005,0.01"]
-        spatial, jobs = [2, 1, 1], {0: "0.005", 1: "0.01"}
-    proc = _sweep(cmd)
+    """Four jobs: two train, and between them two whose data.dir is missing (a failure
+    alike on every rank: under torchrun, after the watchdog started) that the sweep
+    records and goes past."""
+    sweep, missing = tmp_path / "sweep", tmp_path / "nowhere"
+    grid = [] if launcher == "python" else ["parallel.spatial=[2,1,1]"]
+    spatial = [1, 1, 1] if launcher == "python" else [2, 1, 1]
+    head = [sys.executable] if launcher == "python" else [str(BIN / "torchrun"), "--standalone", "--nproc_per_node",
+                                                           "2"]
+    proc = _sweep([*head, "-m", "cosmoflow.train", *SWEEP, f"hydra.sweep.dir={sweep}", *grid,
+                   "optim.lr=0.005,0.01", f"data.dir={data},{missing}"])
     out = proc.stdout + proc.stderr
-    assert proc.returncode == (1 if launcher == "python" else 0), out[-4000:]
-    lrs = {}
+    assert proc.returncode == 1, out[-4000:]  # a job failed: the sweep says so in its status
+    jobs = {0: "0.005", 2: "0.01"}
     for job, lr in jobs.items():
         _complete(sweep / str(job), spatial)
-        lrs[job] = (sweep / str(job) / "config.yaml").read_text().split("\n  lr: ", 1)[1].split("\n")[0]
-        assert lrs[job] == lr
+        assert (sweep / str(job) / "config.yaml").read_text().split("\n  lr: ", 1)[1].split("\n")[0] == lr
     rows = _table(sweep)
-    assert [r["job"] for r in rows] == [str(j) for j in range(len(rows))]
+    assert [r["job"] for r in rows] == ["0", "1", "2", "3"]
     for r in rows:
         if int(r["job"]) in jobs:
             assert r["status"] == "max_steps" and r["exit_code"] == "0" and r["metric"] == "val_mae"
             assert float(r["best"]) > 0 and f"optim.lr={jobs[int(r['job'])]}" in r["overrides"]
             assert r["run_dir"] == str(sweep / r["job"])
-    if launcher == "python":
-        failed = rows[1]
-        assert failed["status"] == "failed" and failed["exit_code"] == "2"
-        assert "optim.lr=-1.0: want > 0" in failed["error"] and not (sweep / "1" / "checkpoints").exists()
-        assert f"job(s) 1 failed; table in {sweep / 'sweep.md'}" in out
-    else:  # every rank runs the sweep; rank 0 alone writes the rows and speaks
-        assert out.count("every job ended; table in") == 1
+        else:
+            assert r["status"] == "failed" and r["exit_code"] == "2" and f"data.dir={missing}" in r["overrides"]
+            assert "does not exist; generate a set with" in r["error"]
+            assert not (sweep / r["job"] / "checkpoints").exists()
+    # every rank runs the sweep; rank 0 alone writes the rows and speaks, once per failure
+    assert out.count(f"job(s) 1, 3 failed; table in {sweep / 'sweep.md'}") == 1
+    assert out.count(f"data.dir: {missing} does not exist") == 2
 
 
 @pytest.mark.parametrize("launcher", ["spatial_local"])
