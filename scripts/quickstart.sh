@@ -26,12 +26,20 @@ export OMP_NUM_THREADS=1
 
 case "$MODEL" in
     cosmoflow) GEN=(--size 32 --train 2048 --val 128 --samples-per-file 16) ;;
-    unet3d)    GEN=(--size 32 --train 64 --val 16) ;;
+    # cases of varying shape, as KiTS19's, chunked for the training crops of the quickstart config
+    unet3d)    GEN=(--size-range "32,48" --crop 32 --train 64 --val 16) ;;
     *) echo "MODEL must be cosmoflow or unet3d, got '$MODEL'" >&2; exit 2 ;;
 esac
+STAMP="$DATA/quickstart_args.txt"   # how the set was made: a set made otherwise is not reused
+if [ -f "$DATA/val/manifest.json" ] && [ "$(cat "$STAMP" 2>/dev/null)" != "${GEN[*]} --seed 0" ]; then
+    echo "$DATA holds a data set made with other arguments than '${GEN[*]} --seed 0'" \
+         "(an older quickstart?): remove it, or set DATA to another directory" >&2
+    exit 2
+fi
 if [ ! -f "$DATA/val/manifest.json" ]; then
     echo "generating synthetic $MODEL data in $DATA (${GEN[*]})"
     python -m "$MODEL.prepare" synthetic --out "$DATA" "${GEN[@]}" --seed 0
+    echo "${GEN[*]} --seed 0" > "$STAMP"
 fi
 
 ARGS=(-m "$MODEL.train" --config-name quickstart "data.dir=$DATA" "run.dir=$RUN" "parallel.spatial=[$NPROC,1,1]" "$@")
@@ -43,7 +51,7 @@ else
 fi
 echo "training took $(( $(date +%s) - start )) s; outputs in $RUN"
 
-if [ "$MODEL" = cosmoflow ]; then
-    python -m mlperf_logging.compliance_checker --usage hpc --ruleset 3.0.0 \
-        --log_output "$RUN/compliance_checker.log" "$RUN/mlperf.log"
-fi
+# CosmoFlow's log follows MLPerf HPC's rules, the U-Net's MLPerf Training's (open division:
+# synthetic cases are not KiTS19)
+if [ "$MODEL" = cosmoflow ]; then RULES=(--usage hpc --ruleset 3.0.0); else RULES=(--usage training --ruleset 4.0.0); fi
+python -m mlperf_logging.compliance_checker "${RULES[@]}" --log_output "$RUN/compliance_checker.log" "$RUN/mlperf.log"

@@ -26,6 +26,7 @@ from harness import Pools  # noqa: E402
 TIER_NAMES = ("unit", "ranks", "launch")
 TIERS = {
     "test_bad_input": "unit",
+    "test_cases_preflight": "unit",
     "test_comm_adjoint": "ranks",
     "test_comm_layer": "unit",
     "test_gpu_check": "launch",
@@ -64,6 +65,7 @@ TIERS = {
     "test_resume_grid": "launch",
     "test_schedule_reference": "unit",
     "test_sliding_window": "ranks",
+    "test_train_cases": "launch",
     "test_train_config": "unit",
     "test_train_equivalence": "launch",
     "test_train_resume": "launch",

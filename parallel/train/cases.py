@@ -82,8 +82,9 @@ def distinct(cases: Cases) -> "OrderedDict[Shape, list[str]]":
     return out
 
 
-def _files(paths: list[str]) -> str:
-    return paths[0] + (f" (and {len(paths) - 1} more of that shape)" if len(paths) > 1 else "")
+def _files(paths: list[str], shape: Shape) -> str:
+    """The first file of a shape, the shape and how many more files have it."""
+    return f"{paths[0]} {list(shape)}" + (f" (and {len(paths) - 1} more of that shape)" if len(paths) > 1 else "")
 
 
 class Strides:
@@ -100,14 +101,16 @@ class Strides:
                 model = self.family.build_model(self.model_cfg, volume)
         except (ValueError, TypeError) as err:  # the model's own checks of its volume
             return [f"{what}: {err}"]
-        if self.grid.spatial_size == 1:
-            return []
         from parallel.plan.trace import trace
 
         try:
             layers = trace(model, (self.channels, *volume))
+        except ValueError as err:  # torch's own refusal, e.g. a norm left with one voxel
+            return [f"{what}: the network cannot run on {list(volume)}: {err}"]
         except (NotImplementedError, RuntimeError):
             return []  # a model the meta device cannot run: the first step will tell
+        if self.grid.spatial_size == 1:
+            return []
         strided = [ly for ly in layers if ly.kind in ("conv", "pool") and len(ly.in_shape) == 4]
         for axis, parts in enumerate(self.grid.spatial):
             if parts == 1:
@@ -144,10 +147,10 @@ def check(cfg: JobConfig, family: Family, grid: Grid, channels: int, train: Case
     else:
         shapes = distinct(train)
         for shape, paths in shapes.items():
-            problems += strides.problems(shape, f"{_files(paths)} {list(shape)}")
+            problems += strides.problems(shape, _files(paths, shape))
         per_group = cfg.train.global_batch_size // max(grid.data_size * cfg.train.accum_steps, 1)
         if len(shapes) > 1 and per_group > 1:
-            listed = ", ".join(f"{_files(p)} {list(s)}" for s, p in list(shapes.items())[:3])
+            listed = ", ".join(_files(p, s) for s, p in list(shapes.items())[:3])
             problems.append(f"the training cases differ in shape ({listed}, ...): {per_group} per data group and "
                             "step cannot be stacked; set data.crop=[D,H,W] (training crops), or "
                             "train.global_batch_size = data groups x train.accum_steps (one case each)")
@@ -155,7 +158,7 @@ def check(cfg: JobConfig, family: Family, grid: Grid, channels: int, train: Case
         problems += _sliding(cfg, grid, strides, val)
     else:
         for shape, paths in distinct(val).items():
-            problems += strides.problems(shape, f"{_files(paths)} {list(shape)} (eval.mode=whole)")
+            problems += strides.problems(shape, f"{_files(paths, shape)} (eval.mode=whole)")
     if problems:
         more = f" (and {len(problems) - MAX_LISTED} more)" if len(problems) > MAX_LISTED else ""
         raise InputError(f"{len(problems)} case(s) or setting(s) the network cannot run{more}:\n  "
@@ -173,11 +176,11 @@ def _sliding(cfg: JobConfig, grid: Grid, strides: Strides, val: Cases) -> list[s
         try:
             kept = [b - a for a, b in kept_range(shape, w, cfg.eval.overlap)]
         except ValueError as err:
-            problems.append(f"{_files(paths)} {list(shape)}: {err}")
+            problems.append(f"{_files(paths, shape)}: {err}")
             continue
         short = [(DIM_NAMES[a], kept[a], p) for a, p in enumerate(grid.spatial) if kept[a] < p]
         if short:
             dim, n, p = short[0]
-            problems.append(f"{_files(paths)} {list(shape)}: the evaluated part ({kept}) has {n} voxels along "
+            problems.append(f"{_files(paths, shape)}: the evaluated part ({kept}) has {n} voxels along "
                             f"dim {dim}, fewer than its {p} blocks (parallel.spatial={list(grid.spatial)})")
     return problems
