@@ -74,6 +74,23 @@ def train_volume(cfg: JobConfig, volume: Sequence[int]) -> Shape:
     return tuple(int(n) for n in v)  # type: ignore[return-value]
 
 
+def weights_depend_on_volume(family: Family, model_cfg: Any, volume: Sequence[int]) -> bool:
+    """Whether the network's weights change with its input volume (CosmoFlow's dense head:
+    it takes one volume, every sample must have it); False where it cannot be told."""
+    v = tuple(int(n) for n in volume)
+    for pair in ((1, 2), (4, 8), (16, 32)):  # larger volumes where a deep network refuses small ones
+        shapes = []
+        try:
+            for scale in pair:
+                with torch.device("meta"):
+                    model = family.build_model(model_cfg, tuple(n * scale for n in v))
+                shapes.append({k: tuple(t.shape) for k, t in model.state_dict().items()})
+        except Exception:  # noqa: BLE001 - a model that cannot be built at these sizes: try larger ones
+            continue
+        return shapes[0] != shapes[1]
+    return False
+
+
 def distinct(cases: Cases) -> "OrderedDict[Shape, list[str]]":
     """Shapes in first-seen order, each with the files that have it."""
     out: OrderedDict[Shape, list[str]] = OrderedDict()

@@ -230,12 +230,16 @@ def check_data(cfg: JobConfig, family: Family, grid: Grid, facts: SampleFacts | 
         raise InputError(f"parallel.spatial={list(grid.spatial)} cannot split the volume {list(volume)} of "
                          f"{listed[0][1]}: {err}") from err
     problems: list[str] = []
+    from parallel.train.cases import weights_depend_on_volume
+
+    # cases may differ in shape, unless the network's weights fix its volume
+    one_volume = volume if cfg.data.crop is None and weights_depend_on_volume(family, cfg.model, volume) else None
     every = [(p, counts.get(p.name), split) for split, (_, _, files, counts) in enumerate(listed) for p in files]
     shapes: list[str] = []  # "split path D H W" of this rank's share: every case has its own shape
     for i in range(grid.rank, len(every), grid.world_size):
         path, claimed, split = every[i]
         if mode != "none":
-            found = check_file(path, spec, deep=(mode == "deep"))
+            found = check_file(path, spec, deep=(mode == "deep"), volume=one_volume)
             found += _manifest_problems(path, claimed)
             problems.extend(f"{path}: {p}" for p in found)
         shape = _case_shape(path)
