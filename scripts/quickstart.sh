@@ -30,16 +30,16 @@ case "$MODEL" in
     unet3d)    GEN=(--size-range "32,48" --crop 32 --train 64 --val 16) ;;
     *) echo "MODEL must be cosmoflow or unet3d, got '$MODEL'" >&2; exit 2 ;;
 esac
-STAMP="$DATA/quickstart_args.txt"   # how the set was made: a set made otherwise is not reused
-if [ -f "$DATA/val/manifest.json" ] && [ "$(cat "$STAMP" 2>/dev/null)" != "${GEN[*]} --seed 0" ]; then
-    echo "$DATA holds a data set made with other arguments than '${GEN[*]} --seed 0'" \
-         "(an older quickstart?): remove it, or set DATA to another directory" >&2
+# the manifest records how a synthetic set was made: an older U-Net quickstart's cubes are not reused
+if [ "$MODEL" = unet3d ] && [ -f "$DATA/val/manifest.json" ] && ! python -c \
+    'import json, sys; sys.exit(not isinstance(json.load(open(sys.argv[1])).get("size"), list))' "$DATA/val/manifest.json"; then
+    echo "$DATA holds cases of one shape (an older quickstart's set); this quickstart trains on cases of" \
+         "varying shape: remove it, or set DATA to another directory" >&2
     exit 2
 fi
 if [ ! -f "$DATA/val/manifest.json" ]; then
     echo "generating synthetic $MODEL data in $DATA (${GEN[*]})"
     python -m "$MODEL.prepare" synthetic --out "$DATA" "${GEN[@]}" --seed 0
-    echo "${GEN[*]} --seed 0" > "$STAMP"
 fi
 
 ARGS=(-m "$MODEL.train" --config-name quickstart "data.dir=$DATA" "run.dir=$RUN" "parallel.spatial=[$NPROC,1,1]" "$@")
