@@ -119,6 +119,8 @@ def test_a_short_closed_run_over_168_42_cases_logs_every_key_the_rules_ask_for(t
     assert keys["submission_division"] == "closed" and keys["train_samples"] == 168 and keys["eval_samples"] == 42
     assert (keys["evaluation_start_epoch"], keys["evaluation_frequency"], keys["oversampling"]) == (1000, 20, 0.4)
     assert keys["validation_input_shape"] == [16, 16, 16] and keys["validation_overlap"] == 0.5
+    evals = [r["metadata"]["epoch_num"] for r in records if r["key"] == "eval_accuracy"]
+    assert evals == [1]  # before evaluation_start_epoch: only the evaluation at the end
     proc = _check(log)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "eval_accuracy" in out
