@@ -10,7 +10,7 @@ import torch
 
 from cosmoflow import synthetic
 from cosmoflow.fields import SPEC, transform
-from cosmoflow.model import CosmoFlow, CosmoFlowConfig, mae_per_sample, mse_loss
+from cosmoflow.model import CosmoFlow, CosmoFlowConfig, mae_per_sample, mse_loss, reference_decayed
 from parallel.grid import Grid
 from parallel.train.config import JobConfig, OptimConfig, ScheduleConfig, TrainConfig
 from parallel.train.family import Family, register
@@ -56,5 +56,5 @@ FAMILY = register(Family(
     metric_name="mae", goal="min", target=0.124, mlperf_eval_key="eval_error", transform=transform,
     prepare="python -m cosmoflow.prepare", bench_overrides=(),
     tiny_overrides=("model.n_conv_blocks=1", "model.conv_filters=2", "model.dense_sizes=[2]"),
-    synthetic=synthetic_sample,
+    synthetic=synthetic_sample, decayed=reference_decayed,  # type: ignore[arg-type]
 ))

@@ -7,6 +7,7 @@ the files carry them).
 
 Single process::
 
+    python -m cosmoflow.predict --run-dir runs/cosmoflow_quickstart --out predictions.csv   # the run's data.dir, val
     python -m cosmoflow.predict --run-dir runs/cosmoflow_quickstart --data data/cosmoflow_quick/val \\
         --out predictions.csv
 
@@ -19,71 +20,57 @@ Single process::
 
 from __future__ import annotations
 
-import argparse
 import csv
 import logging
+import sys
 from pathlib import Path
 
 import torch
 
 import parallel
-from parallel import comm
 from cosmoflow.family import FAMILY
-from parallel.data import BlockDataset, GlobalShuffleSampler, make_loader
-from parallel.train import checkpoint
-from parallel.train.cli import load_job
+from parallel import comm
+from parallel.data import BlockDataset, ShardSampler, make_loader
+from parallel.train.predict import UsageError, open_session, parser, run
 
 log = logging.getLogger("parallel.predict")
 PARAMS = ("omega_m", "sigma_8", "n_s", "omega_b")
+PROG = "python -m cosmoflow.predict"
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m cosmoflow.predict", description=__doc__.split("\n")[0])
-    p.add_argument("--run-dir", dest="run", type=Path, required=True, help="training run.dir (config.yaml, checkpoints/last.pt)")
-    p.add_argument("--checkpoint", type=Path, default=None, help="default: RUN/checkpoints/last.pt")
-    p.add_argument("--data", type=Path, required=True, help="directory (or file) of CosmoFlow sample files")
-    p.add_argument("--out", type=Path, default=Path("predictions.csv"))
-    p.add_argument("--spatial", type=int, nargs=3, default=[1, 1, 1], metavar=("SD", "SH", "SW"))
+def main(argv: list[str] | None = None) -> int:
+    p = parser(PROG, __doc__, "CosmoFlow")
+    p.add_argument("--out", type=Path, default=Path("predictions.csv"), help="the CSV to write")
     p.add_argument("--batch", type=int, default=4, help="samples per step over all data groups")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    return run(PROG, lambda: _predict(args))
 
-    job = load_job(args.run, FAMILY)
-    grid = parallel.init(args.spatial)
-    try:
-        ds = BlockDataset(args.data, fields=None, grid=grid, transform=FAMILY.transform)
-        has_target = FAMILY.target_field in ds.fields
-        ds.fields = tuple(f for f in (FAMILY.input_field, FAMILY.target_field) if f in ds.fields)
-        volume = tuple(int(s) for s in ds.attrs["global_shape"])
-        model = FAMILY.build_model(job.model, volume)
-        ckpt = checkpoint.load(args.checkpoint or checkpoint.checkpoint_path(args.run), grid.device)
-        model.load_state_dict(ckpt["model"])
-        pmodel = parallel.parallelize(model, grid, seed=0).eval()
-        sampler = GlobalShuffleSampler(len(ds), grid, global_batch=max(args.batch, grid.data_size),
-                                       shuffle=False, drop_last=False)
-        loader = make_loader(ds, sampler, num_workers=0, device=grid.device)
-        rows: list[list[float]] = []
-        with torch.no_grad():
-            for step, (batch, _) in enumerate(loader):
-                x = batch[FAMILY.input_field]
-                if x.shape[0] == 0:
-                    continue
-                pred = pmodel(x).float().cpu()
-                indices = list(sampler.order(0)[step * sampler.global_batch:(step + 1) * sampler.global_batch])
-                a, b = grid.batch_range(len(indices)) if len(indices) >= grid.data_size else (0, len(indices))
-                for i, idx in enumerate(indices[a:b]):
-                    row = [float(idx), *pred[i].tolist()]
-                    if has_target:
-                        row += batch[FAMILY.target_field][i].float().cpu().tolist()
-                    rows.append(row)
-        width = 1 + 4 + (4 if has_target else 0)
-        mine = torch.tensor(rows, dtype=torch.float64).reshape(-1, width)
-        everything = _gather_rows(mine, grid)
-        if grid.rank == 0:
-            _write_csv(args.out, everything, ds, has_target)
-            log.info("wrote %d predictions to %s", len(everything), args.out)
-    finally:
-        parallel.destroy()
+
+def _predict(args) -> None:  # noqa: ANN001 - argparse.Namespace
+    if args.batch < 1:
+        raise UsageError(f"--batch {args.batch}: want >= 1")
+    s = open_session(args, FAMILY)
+    grid, ds = s.grid, s.dataset
+    pmodel = s.model(tuple(int(v) for v in ds.attrs["global_shape"]))
+    sampler = ShardSampler(len(ds), grid, per_step=max(args.batch // grid.data_size, 1))
+    loader = make_loader(ds, sampler, num_workers=0, device=grid.device)
+    rows: list[list[float]] = []
+    with torch.no_grad():
+        for indices, (batch, _) in zip(list(sampler), loader):
+            x = batch[FAMILY.input_field]
+            if x.shape[0] == 0:
+                continue
+            pred = pmodel(x).float().cpu()
+            for i, idx in enumerate(indices):
+                row = [float(idx), *pred[i].tolist()]
+                if s.has_target:
+                    row += batch[FAMILY.target_field][i].float().cpu().tolist()
+                rows.append(row)
+    width = 1 + 4 + (4 if s.has_target else 0)
+    everything = _gather_rows(torch.tensor(rows, dtype=torch.float64).reshape(-1, width), grid)
+    if grid.rank == 0:
+        _write_csv(args.out, everything, ds, s.has_target)
+        log.info("wrote %d predictions to %s", len(everything), args.out)
 
 
 def _gather_rows(rows: torch.Tensor, grid: parallel.Grid) -> torch.Tensor:
@@ -113,4 +100,4 @@ def _write_csv(path: Path, rows: torch.Tensor, ds: BlockDataset, has_target: boo
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -28,7 +28,7 @@ if [[ "$CONFIG_NAME" == quickstart ]]; then
     if [[ "$MODEL" == cosmoflow ]]; then
         : "${SYNTHETIC_ARGS:=--size 32 --train 2048 --val 128 --samples-per-file 16 --seed 0}"
     else
-        : "${SYNTHETIC_ARGS:=--size 32 --train 64 --val 16 --seed 0}"
+        : "${SYNTHETIC_ARGS:=--size-range 32,48 --crop 32 --train 64 --val 16 --seed 0}"  # as scripts/quickstart.sh
     fi
 else
     : "${DIVISION:=open}"                 # smoke: evaluated on the training split

@@ -26,6 +26,7 @@ from harness import Pools  # noqa: E402
 TIER_NAMES = ("unit", "ranks", "launch")
 TIERS = {
     "test_bad_input": "unit",
+    "test_cases_preflight": "unit",
     "test_comm_adjoint": "ranks",
     "test_comm_layer": "unit",
     "test_gpu_check": "launch",
@@ -64,6 +65,7 @@ TIERS = {
     "test_resume_grid": "launch",
     "test_schedule_reference": "unit",
     "test_sliding_window": "ranks",
+    "test_train_cases": "launch",
     "test_train_config": "unit",
     "test_train_equivalence": "launch",
     "test_train_resume": "launch",
@@ -81,6 +83,11 @@ SLOW = {
     "test_fail_ranks.py::test_kill_one_of_four_ranks_stops_the_job",
     "test_launchers.py::test_spatial_1x2x2_equals_plain_python_under_torchrun_mpirun_and_slurm",
     "test_predict.py::test_cosmoflow_predict_rows_equal_at_every_grid",
+    "test_predict.py::test_unet_predict_says_what_it_read_and_refuses_user_errors_in_one_line",
+    "test_mlperf_unet.py::test_a_short_closed_run_over_168_42_cases_logs_every_key_the_rules_ask_for",
+    "test_schedule_reference.py::test_the_loop_sets_the_reference_rate_at_every_step",
+    "test_train_cases.py::test_cases_of_six_shapes_train_alike_at_every_grid_reading_only_their_share",
+    "test_train_cases.py::test_a_crop_or_case_the_network_cannot_take_stops_before_training",
     "test_resume_grid.py::test_stop_at_one_grid_resume_at_others",
     "test_train_equivalence.py::test_data_and_spatial_axes_interchange",
     "test_train_equivalence.py::test_spatial_splits_equal_serial",

@@ -93,9 +93,9 @@ def write_cases(root: Path, shapes: Sequence[Sequence[int]], seed: int = 0) -> l
     return paths
 
 
-def sliding_dice(grid: Grid, files: list[str], window: int, mode: str = "sliding") -> float:
+def sliding_dice(grid: Grid, files: list[str], window: int, mode: str = "sliding", average: str = "cases") -> float:
     """Mean Dice of the fixed model over the files, evaluated at this grid."""
-    from parallel.data import BlockDataset, GlobalShuffleSampler, make_loader
+    from parallel.data import BlockDataset, ShardSampler, make_loader
     from parallel.infer import WindowCrop, evaluate_cases
     from unet3d.fields import normalized_transform
     from unet3d.losses import dice_per_sample
@@ -103,11 +103,11 @@ def sliding_dice(grid: Grid, files: list[str], window: int, mode: str = "sliding
     model = parallel.parallelize(small_unet(), grid, seed=0)
     regions = WindowCrop((window,) * 3) if mode == "sliding" else None
     ds = BlockDataset(files, fields=("image", "label"), grid=grid, transform=normalized_transform, regions=regions)
-    sampler = GlobalShuffleSampler(len(ds), grid, global_batch=grid.data_size, shuffle=False, drop_last=False)
-    loader = make_loader(ds, sampler, num_workers=0)
+    loader = make_loader(ds, ShardSampler(len(ds), grid), num_workers=0)
     out = evaluate_cases(lambda x: model(x.double()), loader, grid, input_field="image", target_field="label",
-                         metric=dice_per_sample, mode=mode, window=(window,) * 3)
-    assert out["samples"] == len(files)
+                         metric=dice_per_sample, mode=mode, window=(window,) * 3,  # type: ignore[arg-type]
+                         average=average)  # type: ignore[arg-type]
+    assert out["samples"] == (len(files) if average == "cases" else min(grid.data_size, len(files)))
     return out["metric"]
 
 

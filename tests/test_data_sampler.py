@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from parallel.data import GlobalShuffleSampler, PartialShuffleSampler
+from parallel.data import GlobalShuffleSampler, PartialShuffleSampler, ShardSampler
 from parallel.grid import Grid
 
 
@@ -110,3 +110,19 @@ def test_partial_shuffle_is_deterministic_and_reorders_each_epoch() -> None:
     first = list(a)
     a.set_epoch(2)
     assert list(a) != first
+
+
+@pytest.mark.parametrize("n,data,per_step", [(42, 8, 1), (42, 8, 4), (5, 2, 1), (3, 4, 1)])
+def test_shard_sampler_deals_contiguous_shares_like_array_split(n: int, data: int, per_step: int) -> None:
+    """Evaluation: data group r takes np.array_split's r-th share, every group the same steps."""
+    spatial = (2, 1, 1)
+    world = data * 2
+    shares = np.array_split(np.arange(n), data)
+    steps = None
+    for r in range(world):
+        grid = Grid(spatial=spatial, world_size=world, rank=r)
+        got = list(ShardSampler(n, grid, per_step=per_step))
+        steps = steps or len(got)
+        assert len(got) == steps == -(-max(len(s) for s in shares) // per_step)
+        assert [i for step in got for i in step] == shares[grid.data_rank].tolist()
+        assert all(len(step) <= per_step for step in got)

@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from train_helpers import BIN, REPO, env, launch, prepare
-from unet3d.predict import sliding_window
 
 
-def _run(module: str, nproc: int, args: list[str], launcher: str = "torchrun") -> None:
+def _run(module: str, nproc: int, args: list[str], launcher: str = "torchrun",
+         code: int = 0) -> subprocess.CompletedProcess:
     if nproc == 1:
         cmd = [sys.executable, "-m", module, *args]
     elif launcher == "torchrun":
@@ -25,33 +25,39 @@ def _run(module: str, nproc: int, args: list[str], launcher: str = "torchrun") -
     else:
         cmd = [str(BIN / "mpirun"), "-n", str(nproc), sys.executable, "-m", module, *args]
     proc = subprocess.run(cmd, env=env(), cwd=REPO, timeout=180, capture_output=True, text=True)
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == code, f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-4000:]}"
+    return proc
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("shape, window", [((20, 24, 28), 16), ((20, 12, 9), 16), ((16, 16, 16), 16)])
-def test_sliding_window_of_a_pointwise_model_is_the_whole_volume_softmax(shape, window):
+@pytest.mark.parametrize("shape, window", [((20, 24, 28), 16), ((20, 12, 9), 16), ((16, 16, 16), 32),
+                                           ((5, 40, 16), 8)])
+def test_sliding_window_of_a_pointwise_model_is_its_logits(shape, window):
     # A 1x1x1 conv sees no context, so every window gives each voxel the same logits: the
-    # Gaussian-weighted average must reproduce the whole-volume softmax wherever it covers
-    # the volume (uneven tiling, last window flush with the end, padding when it is larger).
+    # weighted average over windows must reproduce them at every voxel of the case (uneven
+    # tiling, windows larger than the case: padded, centred, as the reference pads)
+    from parallel.data.crops import Region
+    from parallel.infer import case_logits
+
     torch.manual_seed(0)
-    model = nn.Conv3d(2, 3, 1)
-    x = torch.randn(1, 2, *shape)
+    model = nn.Conv3d(2, 3, 1).double()
+    x = torch.randn(1, 2, *shape, dtype=torch.float64)
     with torch.no_grad():
-        expect = torch.softmax(model(x), 1)
-    got = sliding_window(model, x, window, classes=3)
+        expect = model(x)
+    region = Region((0, 0, 0), shape).as_tensor()
+    got = case_logits(model, x, None, mode="sliding", region=region, window=(window,) * 3)
     assert got.shape == expect.shape
-    torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, expect, rtol=1e-12, atol=1e-12)
 
 
 @pytest.fixture(scope="module")
 def unet_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("unet_predict")
-    data = prepare("unet3d", root / "data", 16, 4, 3)
+    data = prepare("unet3d", root / "data", 24, 4, 3)
     run = root / "run"
     launch("unet3d", 1, ["--config-name", "quickstart", f"data.dir={data}", f"run.dir={run}", "train.max_steps=2",
-                         "train.eval_every=0", "train.eval_at_end=false", "run.progress=false",
-                         "run.tensorboard=false", "mlperf.enabled=false"])
+                         "data.crop=[16,16,16]", "train.eval_every=0", "train.eval_at_end=false",
+                         "run.progress=false", "run.tensorboard=false", "mlperf.enabled=false"])
     return data, run
 
 
@@ -65,22 +71,61 @@ def _labels(out: Path) -> dict[str, np.ndarray]:
     return result
 
 
+def _same(a: dict[str, np.ndarray], b: dict[str, np.ndarray], what: str) -> None:
+    assert a.keys() == b.keys(), what
+    for name in a:
+        # logits agree to float rounding; an argmax can flip only at an exact near-tie
+        mismatch = float((a[name] != b[name]).mean())
+        assert mismatch < 1e-3, f"{what}: {name} differs in {mismatch:.2%} of voxels"
+
+
 def test_unet_predict_is_the_same_at_every_grid(unet_run, tmp_path):
     data, run = unet_run
     common = ["--run-dir", str(run), "--data", str(data / "val")]
+    # the run's own evaluation: sliding window of its crop, 16 (8 windows per 24^3 case)
     _run("unet3d.predict", 1, [*common, "--out", str(tmp_path / "serial")])
     _run("unet3d.predict", 2, [*common, "--out", str(tmp_path / "spatial2"), "--spatial", "2", "1", "1"])
     _run("unet3d.predict", 2, [*common, "--out", str(tmp_path / "data2")], launcher="mpirun")
-    _run("unet3d.predict", 1, [*common, "--out", str(tmp_path / "window"), "--window", "16"])
     serial = _labels(tmp_path / "serial")
-    assert len(serial) == 3 and all(v.shape[1:] == (16, 16, 16) for v in serial.values())
-    for other in ("spatial2", "data2", "window"):  # one window of the whole volume: the same pass
-        got = _labels(tmp_path / other)
-        assert got.keys() == serial.keys()
-        for name in serial:
-            # logits agree to float rounding; an argmax can flip only at an exact near-tie
-            mismatch = float((got[name] != serial[name]).mean())
-            assert mismatch < 1e-3, f"{other}: {name} differs from the serial labels in {mismatch:.2%} of voxels"
+    assert len(serial) == 3 and all(v.shape[1:] == (24, 24, 24) for v in serial.values())
+    for other in ("spatial2", "data2"):
+        _same(serial, _labels(tmp_path / other), other)
+    # one window the size of the case is the whole-case pass
+    _run("unet3d.predict", 1, [*common, "--out", str(tmp_path / "whole"), "--mode", "whole"])
+    _run("unet3d.predict", 1, [*common, "--out", str(tmp_path / "w24"), "--window", "24"])
+    _same(_labels(tmp_path / "whole"), _labels(tmp_path / "w24"), "window 24")
+    # a window larger than the case: padded, centred, as the reference pads; split in H or not
+    _run("unet3d.predict", 1, [*common, "--out", str(tmp_path / "w32"), "--window", "32"])
+    _run("unet3d.predict", 2, [*common, "--out", str(tmp_path / "w32s"), "--window", "32", "--spatial", "1", "2", "1"])
+    _same(_labels(tmp_path / "w32"), _labels(tmp_path / "w32s"), "window 32")
+
+
+def test_unet_predict_says_what_it_read_and_refuses_user_errors_in_one_line(unet_run, tmp_path):
+    data, run = unet_run
+    out = ["--out", str(tmp_path / "seg")]
+    proc = _run("unet3d.predict", 1, ["--run-dir", str(run), "--data", str(data), "--split", "train", *out])
+    assert f"the train split of the data directory {data} ({data / 'train'})" in proc.stderr
+    assert len(_labels(tmp_path / "seg")) == 4
+    proc = _run("unet3d.predict", 1, ["--run-dir", str(run), "--out", str(tmp_path / "seg2")])  # the run's data.dir
+    assert f"the val split of the data directory {data}" in proc.stderr
+    for args, message in [
+        (["--data", str(data / "val"), "--window", "20"], "--window 20 20 20: model.depth=3 needs volumes that are "
+                                                          "multiples of 8 (its total stride)"),
+        (["--data", str(data / "val"), "--window", "8"], "--window 8 8 8: the network cannot run on [8, 8, 8]: "
+                                                         "Expected more than 1 spatial element"),
+        (["--data", str(data / "nowhere")], f"--data {data / 'nowhere'}: no such directory or file"),
+        (["--data", str(data.parent)], "holds no sample files (*.h5) and no val/ split"),
+    ]:
+        proc = _run("unet3d.predict", 1, ["--run-dir", str(run), *args, *out], code=2)
+        lines = [line for line in proc.stderr.splitlines() if "error:" in line]
+        assert lines == [f"python -m unet3d.predict: error: {lines[0].split('error: ', 1)[1]}"] and \
+            message in lines[0] and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    # split across 2 ranks, the window 24 cuts the network's third stride at 3: refused by name, once
+    proc = _run("unet3d.predict", 2, ["--run-dir", str(run), "--data", str(data / "val"), "--window", "24",
+                                      "--spatial", "2", "1", "1", *out], launcher="mpirun", code=2)
+    assert proc.stderr.count("--window 24 24 24: split 2 ways along dim D (24 -> blocks [12, 12])") == 1, proc.stderr
+    helped = _run("unet3d.predict", 1, ["--help"])
+    assert "the data directory (data.dir, holding train/ and val/" in " ".join(helped.stdout.split())
 
 
 def test_cosmoflow_predict_rows_equal_at_every_grid(tmp_path_factory, tmp_path):

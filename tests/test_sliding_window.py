@@ -31,13 +31,18 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def reference(cases: list[str]) -> float:
+def scores(cases: list[str]) -> list[float]:
     model = sliding_cases.small_unet()
-    scores = []
+    out = []
     for path in cases:
         with h5py.File(path, "r") as f:
-            scores.append(sliding_cases.reference_dice(model, f["image"][0], f["label"][0], WINDOW))
-    assert 0.05 < np.mean(scores) < 0.95, scores  # neither trivial nor degenerate
+            out.append(sliding_cases.reference_dice(model, f["image"][0], f["label"][0], WINDOW))
+    assert 0.05 < np.mean(out) < 0.95, out  # neither trivial nor degenerate
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(scores: list[float]) -> float:
     return float(np.mean(scores))
 
 
@@ -46,6 +51,18 @@ def test_sliding_window_dice_is_the_reference_at_every_grid(pools, cases, refere
     got = pools.run(world, sliding_cases.sliding_dice, cases, WINDOW, spatial=spatial, timeout=300)
     for value in got:
         assert value == pytest.approx(reference, abs=1e-5)
+
+
+def test_averaging_data_groups_means_as_the_reference_does(pools, cases, scores):
+    """3 cases over 2 data groups: shares [0, 1] and [2] (np.array_split, as the reference
+    deals its evaluation cases); ``groups`` averages the two shares' means, ``cases`` all three."""
+    three = cases[:3]
+    got = pools.run(2, sliding_cases.sliding_dice, three, WINDOW, "sliding", "groups", spatial=[1, 1, 1])
+    want = ((scores[0] + scores[1]) / 2 + scores[2]) / 2
+    assert all(v == pytest.approx(want, abs=1e-5) for v in got)
+    assert abs(want - np.mean(scores[:3])) > 1e-4  # the two averages differ here
+    got = pools.run(2, sliding_cases.sliding_dice, three, WINDOW, "sliding", "cases", spatial=[1, 1, 1])
+    assert all(v == pytest.approx(np.mean(scores[:3]), abs=1e-5) for v in got)
 
 
 def test_whole_mode_is_one_pass_over_the_case(pools, tmp_path):

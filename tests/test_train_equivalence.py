@@ -24,6 +24,7 @@ MODELS = {
         "model.input_shift=3.8", "model.input_scale=2.0", "optim.lr=0.05"]),
     "unet3d": dict(size=16, overrides=[
         "model.depth=2", "model.base_filters=4", "model.max_filters=8", "optim.lr=0.05",
+        "data.crop=[16,16,16]",  # crops the size of the 16^3 cases (tests/test_train_cases.py: smaller crops)
         # augmentation on, often: flips of split volumes and per-voxel noise must not depend on the grid
         "augment.flip_prob=0.5", "augment.brightness_prob=0.5", "augment.noise_prob=0.5"]),
 }

@@ -12,7 +12,8 @@ from parallel import augment as spatial_augment
 from parallel import comm
 from parallel.grid import Grid
 from parallel.layers.shapes import infer_global_dims
-from parallel.train.config import JobConfig, MLPerfConfig, OptimConfig, ScheduleConfig, TrainConfig
+from parallel.train.config import (DataConfig, EvalConfig, JobConfig, MLPerfConfig, OptimConfig, ScheduleConfig,
+                                   TrainConfig)
 from parallel.train.family import Family, register
 from unet3d.fields import SPEC, transform, transform_for
 from unet3d.losses import dice_ce_loss, dice_per_sample
@@ -74,6 +75,10 @@ class UNet3DJob(JobConfig):
 
     model: UNet3DConfig = field(default_factory=UNet3DConfig)
     augment: AugmentConfig = field(default_factory=AugmentConfig)
+    data: DataConfig = field(default_factory=lambda: DataConfig(crop=[128, 128, 128], oversampling=0.4))
+    # the reference's metric: sliding window of the crop, from epoch 1000 every 20 epochs,
+    # the mean of its ranks' means (each reference rank is one data group here)
+    eval: EvalConfig = field(default_factory=lambda: EvalConfig(mode="sliding", start_epoch=1000, average="groups"))
     train: TrainConfig = field(default_factory=lambda: TrainConfig(global_batch_size=2, epochs=4000,
                                                                    eval_every=20))
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(name="sgd", lr=0.8, momentum=0.9,
@@ -86,8 +91,8 @@ class UNet3DJob(JobConfig):
 def build(cfg: UNet3DConfig, volume: tuple[int, int, int]) -> UNet3D:
     m = 2**cfg.depth
     if any(v % m for v in volume):
-        raise ValueError(f"model.depth={cfg.depth} needs volumes that are multiples of {m} along D, H, W; "
-                         f"the data's volume is {tuple(volume)}")
+        raise ValueError(f"model.depth={cfg.depth} needs volumes that are multiples of {m} (its total stride) "
+                         f"along D, H, W, got {tuple(int(v) for v in volume)}")
     return UNet3D(cfg)
 
 
@@ -147,5 +152,5 @@ FAMILY = register(Family(
     loss=loss, metric=metric, metric_name="mean_dice", goal="max", target=0.908,
     mlperf_eval_key="eval_accuracy", transform=transform, transform_for=transform_for, augment=augment,
     prepare="python -m unet3d.prepare", bench_overrides=("model.depth=3", "model.base_filters=8"),
-    tiny_overrides=("model.depth=1", "model.base_filters=2"),
+    tiny_overrides=("model.depth=1", "model.base_filters=2"), crop_boxes="fg_boxes",
 ))

@@ -1,142 +1,134 @@
-"""Segment whole volumes with a trained 3D U-Net and write the labels to HDF5.
+"""Segment cases with a trained 3D U-Net and write the labels to HDF5.
 
-Default (``--window 0``): each volume is segmented in one pass across the spatial group.
-Every rank reads only its block, the group runs the network on the distributed volume
-(halos come from neighbours), and each rank writes the argmax of its own block into the
-output file (ranks of a group take turns), so no rank ever holds the whole volume: no
-sliding window is needed wherever the group's memory holds the volume.
+Each case is segmented by the code that scores the training's evaluation
+(``parallel.infer.case_logits``), in either mode (default: the run's ``eval.mode``):
 
-``--window N``: a Gaussian-weighted sliding window of N^3 (overlap 0.5, sigma 0.125 N,
-padding -2.2 as in the MLPerf evaluation) for volumes larger than that; each data group
-takes whole volumes and each window runs on one rank (use it with ``--spatial 1 1 1``).
+- ``--mode sliding``: the MLPerf Gaussian-weighted sliding window of ``--window`` (default:
+  the run's ``eval.window``, else its ``data.crop``), overlap and padding as the run's
+  ``eval`` section says (MLPerf: 0.5 and -2.2), every window split across the spatial
+  group. It covers the whole case, so every voxel gets a label (the training's metric
+  scores the reference's kept part, which drops a remainder under half a stride: the Dice
+  logged here can differ slightly). A window larger than a case pads the case, centred, as
+  the reference does; a window the network cannot take is refused by name.
+- ``--mode whole``: one pass over each whole case across the spatial group (the case's
+  sides must be multiples of the network's total stride).
 
-Output: one HDF5 file per input file in ``--out``, dataset ``label`` (N, D, H, W) uint8.
+Every rank reads only its block and writes its block of the labels (ranks take turns on
+a file), so no rank ever holds a whole case. Output: one HDF5 file per input file in
+``--out``, dataset ``label`` (N, D, H, W) uint8; where the inputs hold labels, the mean
+Dice over the cases is logged.
 
-    python -m unet3d.predict --run-dir runs/unet3d_quickstart --data data/unet3d_quick/val --out seg/
+    python -m unet3d.predict --run-dir runs/unet3d_quickstart --out seg/          # the run's data.dir, val split
+    python -m unet3d.predict --run-dir RUN --data data/unet3d_quick --split train --out seg/
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 -m unet3d.predict \\
         --run-dir runs/unet3d_quickstart --data data/unet3d_quick/val --out seg/ --spatial 2 1 1
-    mpirun -n 4 python -m unet3d.predict --run-dir RUN --data DIR --out seg/ --spatial 2 2 1
-    python -m unet3d.predict --run-dir RUN --data DIR --out seg/ --window 64
+    mpirun -n 4 python -m unet3d.predict --run-dir RUN --data DIR --out seg/ --spatial 2 2 1 --window 64
 """
 
 from __future__ import annotations
 
-import argparse
-import itertools
 import logging
+import sys
 from pathlib import Path
 
 import h5py
 import numpy as np
 import torch
-from torch import nn
 
-import parallel
 from parallel import comm
 from parallel.data import BlockDataset
-from parallel.train import checkpoint
-from parallel.train.cli import load_job
+from parallel.data.crops import REGION_KEY
+from parallel.grid import Grid
+from parallel.infer import CaseRegion, WindowCrop, case_logits
+from parallel.train import cases
+from parallel.train.predict import Session, UsageError, case_shapes, load_run, open_session, parser, run
 from unet3d.family import FAMILY
 
 log = logging.getLogger("parallel.predict")
-PAD_VALUE = -2.2
+PROG = "python -m unet3d.predict"
 
 
-def gaussian_importance(size: int, sigma_scale: float = 0.125) -> torch.Tensor:
-    """(size, size, size) Gaussian weights centred in the window, max 1."""
-    x = torch.arange(size, dtype=torch.float32) - (size - 1) / 2
-    g = torch.exp(-0.5 * (x / (sigma_scale * size)) ** 2)
-    w = g[:, None, None] * g[None, :, None] * g[None, None, :]
-    return (w / w.max()).clamp(min=1e-4)
-
-
-@torch.no_grad()
-def sliding_window(model: nn.Module, image: torch.Tensor, window: int, classes: int,
-                   overlap: float = 0.5) -> torch.Tensor:
-    """Gaussian-weighted sliding-window logits average of ``image`` (1, C, D, H, W)."""
-    dims = image.shape[2:]
-    pad = [max(window - d, 0) for d in dims]
-    x = nn.functional.pad(image, [0, pad[2], 0, pad[1], 0, pad[0]], value=PAD_VALUE)
-    full = x.shape[2:]
-    step = max(1, int(window * (1 - overlap)))
-    starts = [sorted({*range(0, f - window + 1, step), f - window}) for f in full]
-    w = gaussian_importance(window).to(image.device)
-    acc = torch.zeros(1, classes, *full, device=image.device)
-    norm = torch.zeros(1, 1, *full, device=image.device)
-    for d, h, ww in itertools.product(*starts):
-        sl = (slice(None), slice(None), slice(d, d + window), slice(h, h + window), slice(ww, ww + window))
-        acc[sl] += torch.softmax(model(x[sl]).float(), 1) * w
-        norm[sl] += w
-    out = acc / norm
-    return out[:, :, : dims[0], : dims[1], : dims[2]]
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m unet3d.predict", description=__doc__.split("\n")[0])
-    p.add_argument("--run-dir", dest="run", type=Path, required=True, help="training run.dir")
-    p.add_argument("--checkpoint", type=Path, default=None, help="default: RUN/checkpoints/last.pt")
-    p.add_argument("--data", type=Path, required=True, help="directory (or file) of U-Net sample files")
-    p.add_argument("--out", type=Path, required=True, help="output directory")
-    p.add_argument("--spatial", type=int, nargs=3, default=[1, 1, 1], metavar=("SD", "SH", "SW"))
-    p.add_argument("--window", type=int, default=0, help="sliding-window size (0: whole volume)")
+def main(argv: list[str] | None = None) -> int:
+    p = parser(PROG, __doc__, "U-Net")
+    p.add_argument("--out", type=Path, required=True, help="output directory (one label file per input file)")
+    p.add_argument("--mode", choices=["sliding", "whole"], default=None, help="default: the run's eval.mode")
+    p.add_argument("--window", type=int, nargs="+", default=None, metavar="N",
+                   help="sliding window N (or D H W); default: the run's eval.window, else its data.crop")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    return run(PROG, lambda: _predict(args))
 
-    job = load_job(args.run, FAMILY)
-    grid = parallel.init(args.spatial)
-    try:
-        if args.window and grid.spatial_size > 1:
-            raise ValueError(f"--window {args.window} runs each window on one rank: use --spatial 1 1 1, "
-                             f"not {args.spatial}")
-        ds = BlockDataset(args.data, fields=None, grid=grid)
-        ds.transform = FAMILY.transform_for(ds.attrs) if FAMILY.transform_for else FAMILY.transform
-        has_label = FAMILY.target_field in ds.fields
-        ds.fields = tuple(f for f in (FAMILY.input_field, FAMILY.target_field) if f in ds.fields)
-        volume = tuple(int(s) for s in ds.attrs["global_shape"])
-        model = FAMILY.build_model(job.model, volume) if not args.window else FAMILY.build_model(
-            job.model, (args.window,) * 3)
-        ckpt = checkpoint.load(args.checkpoint or checkpoint.checkpoint_path(args.run), grid.device)
-        model.load_state_dict(ckpt["model"])
-        pmodel = parallel.parallelize(model, grid, seed=0).eval()
-        args.out.mkdir(parents=True, exist_ok=True)
-        dice = []
-        # Data groups take volumes round-robin; in each round the ranks write in turns over
-        # the whole job, because two data groups may hold volumes of the same output file.
-        rounds = -(-len(ds) // grid.data_size)
-        for r in range(rounds):
-            index = r * grid.data_size + grid.data_rank
-            labels = None
-            if index < len(ds):
-                sample = ds[index]
-                x = sample[FAMILY.input_field][None].to(grid.device)
-                with torch.no_grad():
-                    if args.window:
-                        logits = sliding_window(pmodel, x, args.window, job.model.n_classes)
-                    else:
-                        logits = pmodel(x)
-                if has_label:
-                    y = sample[FAMILY.target_field][None].to(grid.device)
-                    dice.append(float(FAMILY.metric(logits, y, grid)[0]))
-                labels = logits.argmax(1)[0].to(torch.uint8).cpu().numpy()
-            _write_block(args.out, ds, index, labels, grid, volume)
-        if has_label:
-            device = comm.group_device(grid.data_group)
-            scores = torch.tensor([sum(dice), len(dice)], dtype=torch.float64, device=device)
-            if grid.data_size > 1:
-                comm.all_reduce_(scores, grid.data_group)
-            if grid.rank == 0:
-                log.info("mean Dice over %d volumes: %.4f", int(scores[1]), scores[0] / max(scores[1], 1))
+
+def _predict(args) -> None:  # noqa: ANN001 - argparse.Namespace
+    job = load_run(args, FAMILY)
+    mode = args.mode or str(job.eval.mode)
+    window = _window(args.window, job) if mode == "sliding" else None
+    regions = WindowCrop(window, job.eval.overlap, drop_remainder=False) if window else CaseRegion()
+    s = open_session(args, FAMILY, regions, job)
+    grid = s.grid
+    # every rank checks every case before any runs: a refusal is the same on all of them
+    strides = cases.Strides(FAMILY, job.model, 1, grid)
+    if window is not None:
+        checked = [(window, f"--window {' '.join(map(str, window))}")]
+    else:
+        checked = [(shape, f"{path} {list(shape)} (--mode whole; --mode sliding takes any case)")
+                   for path, shape in case_shapes(s.dataset)]
+    for volume, what in checked:
+        problems = strides.problems(volume, what)
+        if problems:
+            raise UsageError(problems[0])
+    pmodel = s.model(window or checked[0][0])
+    args.out.mkdir(parents=True, exist_ok=True)
+    sums = torch.zeros(2, dtype=torch.float64)
+    # data groups take cases round-robin; each round the ranks write in turns over the whole
+    # job, because two data groups may hold cases of the same output file
+    ds = s.dataset
+    for r in range(-(-len(ds) // grid.data_size)):
+        index = r * grid.data_size + grid.data_rank
+        labels, shape = None, None
+        if index < len(ds):
+            sample = ds[index]
+            shape = tuple(int(v) for v in sample[REGION_KEY][3:])
+            x = sample[FAMILY.input_field][None].to(grid.device)
+            logits = case_logits(pmodel, x, grid, mode=mode, region=sample[REGION_KEY],  # type: ignore[arg-type]
+                                 window=window, overlap=job.eval.overlap, pad_value=job.eval.pad_value,
+                                 sigma_scale=job.eval.sigma_scale)
+            if s.has_target:
+                y = sample[FAMILY.target_field][None].to(grid.device)
+                sums += torch.tensor([float(FAMILY.metric(logits, y, grid)[0]), 1.0], dtype=torch.float64)
+            labels = logits.argmax(1)[0].to(torch.uint8).cpu().numpy()
+        _write_block(args.out, ds, index, labels, grid, shape)
+    _report(s, sums, args.out)
+
+
+def _window(given: list[int] | None, job) -> tuple[int, int, int]:  # noqa: ANN001 - the job config
+    if given is not None:
+        if len(given) not in (1, 3) or min(given) < 1:
+            raise UsageError(f"--window {' '.join(map(str, given))}: want N or D H W, positive")
+        return tuple(given * 3 if len(given) == 1 else given)  # type: ignore[return-value]
+    w = cases.window(job)
+    if w is None:
+        raise UsageError("the run has neither eval.window nor data.crop: give --window N (or --mode whole)")
+    return w
+
+
+def _report(s: Session, sums: torch.Tensor, out: Path) -> None:
+    grid = s.grid
+    if s.has_target:
+        device = comm.group_device(grid.data_group)
+        total = sums.to(device)
+        if grid.data_size > 1:
+            comm.all_reduce_(total, grid.data_group, caller="unet3d.predict")
         if grid.rank == 0:
-            log.info("labels written to %s", args.out)
-    finally:
-        parallel.destroy()
+            log.info("mean Dice over %d cases: %.4f", int(total[1]), float(total[0] / max(float(total[1]), 1.0)))
+    if grid.rank == 0:
+        log.info("labels written to %s", out)
 
 
-def _write_block(out: Path, ds: BlockDataset, index: int, labels: np.ndarray | None, grid: parallel.Grid,
-                 volume: tuple[int, ...]) -> None:
-    """Every rank of the job writes its block of sample ``index`` in turn (None: nothing to write)."""
+def _write_block(out: Path, ds: BlockDataset, index: int, labels: np.ndarray | None, grid: Grid,
+                 volume: tuple[int, ...] | None) -> None:
+    """Every rank of the job writes its block of case ``index`` in turn (None: nothing to write)."""
     for turn in range(grid.world_size):
-        if turn == grid.rank and labels is not None:
+        if turn == grid.rank and labels is not None and volume is not None:
             path, row = ds.locate(index)
             (d0, d1), (h0, h1), (w0, w1) = (grid.block_range(volume) if grid.spatial_size > 1
                                             else [(0, n) for n in volume])
@@ -153,4 +145,4 @@ def _write_block(out: Path, ds: BlockDataset, index: int, labels: np.ndarray | N
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

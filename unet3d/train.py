@@ -1,12 +1,13 @@
 """Train the MLPerf 3D U-Net with spatial x data parallelism.
 
-Configs live in ``configs/unet3d/`` (``default`` = MLPerf KiTS19 settings,
-``quickstart`` the tiny CPU run); every field can be overridden. Generate data first
-(``python -m unet3d.prepare synthetic --out data/unet32 --size 32 ...``).
+Configs live in ``configs/unet3d/`` (``default`` = MLPerf KiTS19 settings: 128^3 crops,
+sliding-window evaluation from epoch 1000; ``quickstart`` the tiny CPU run); every field
+can be overridden. Generate data first (cases of varying shape, chunked for the crops:
+``python -m unet3d.prepare synthetic --out data/unet3d_quick --size-range 32,48 --crop 32``).
 
 Single process (CPU or one GPU)::
 
-    python -m unet3d.train --config-name quickstart data.dir=data/unet32 run.dir=runs/unet
+    python -m unet3d.train --config-name quickstart data.dir=data/unet3d_quick run.dir=runs/unet
 
 torchrun, 2 ranks splitting each volume in depth::
 
@@ -17,7 +18,8 @@ mpirun / mpiexec (8 ranks: data 2 x spatial 2x2x1)::
 
     mpirun -n 8 python -m unet3d.train parallel.spatial=[2,2,1] data.dir=/data/kits19_h5
 
-srun (whole CT volumes split 4 ways per sample, 2 data groups)::
+srun (128^3 crops and windows split 4 ways, 2 data groups; whole CT volumes: data.crop=null
+eval.mode=whole)::
 
     srun -N 2 --ntasks-per-node 4 python -m unet3d.train parallel.spatial=[4,1,1] data.dir=/data/kits19_h5
 

@@ -73,13 +73,14 @@ from parallel.data.format import (FieldSpec, SampleSpec, choose_chunks, choose_c
                                   parse_splits, sample_files, write_manifest, write_samples)
 from parallel.data.loader import BatchShapeError, BlockLoader, StepStats, make_loader
 from parallel.data.reader import BlockDataset, CountingFile, SampleReadError, touched_chunk_bytes
-from parallel.data.sampler import GlobalShuffleSampler, PartialShuffleSampler
+from parallel.data.sampler import GlobalShuffleSampler, PartialShuffleSampler, ShardSampler
 from parallel.data.staging import StageReport, stage
 
 __all__ = [
     "BalancedCrop", "BatchShapeError", "BlockDataset", "BlockLoader", "CODECS", "CountingFile", "FieldSpec",
     "FixedRegion", "GlobalShuffleSampler", "PartialShuffleSampler", "REGION_KEY", "Region", "SampleReadError",
-    "SampleSpec", "StageReport", "StepStats", "balanced_crop", "check_file", "check_files", "choose_chunks",
+    "SampleSpec", "ShardSampler", "StageReport", "StepStats", "balanced_crop", "check_file", "check_files",
+    "choose_chunks",
     "choose_crop_chunks", "codec_kwargs", "create_datasets", "crop_rng", "foreground_boxes", "make_loader",
     "parse_splits", "sample_files", "stage", "touched_chunk_bytes", "write_manifest", "write_samples",
 ]

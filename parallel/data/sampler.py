@@ -8,6 +8,9 @@ the same indices in the same order.
 - ``GlobalShuffleSampler``: one global permutation per epoch; step ``k`` takes global
   batch ``perm[k*G:(k+1)*G]`` and data group ``r`` its rows ``grid.batch_range(G)``. The
   global batch is therefore independent of the data-parallel size.
+- ``ShardSampler`` (evaluation): data group ``r`` takes the ``r``-th contiguous share of
+  the samples in file order (as ``np.array_split`` deals them), ``per_step`` at a time;
+  groups with a shorter share get empty steps at the end (every group runs the same steps).
 - ``PartialShuffleSampler``: each data group keeps a shard (from a global shuffle at
   epoch 0) that can live on node-local storage; every epoch a fraction ``exchange`` of
   each shard is pooled, shuffled and dealt back, then each shard is shuffled locally.
@@ -175,3 +178,30 @@ class PartialShuffleSampler(_Base):
         lb = self._local_batch
         for step in range(self.start_step, self._steps):
             yield order[step * lb:(step + 1) * lb].tolist()
+
+
+class ShardSampler(_Base):
+    """Contiguous shares of the samples in file order, one per data group (evaluation).
+
+    Args:
+        num_samples: samples in the dataset.
+        grid: the process grid; None for one process.
+        per_step: samples each data group takes per step (its share's tail may be shorter).
+    """
+
+    def __init__(self, num_samples: int, grid: Any, per_step: int = 1) -> None:
+        data_size = grid.data_size if grid is not None else 1
+        super().__init__(num_samples, grid, global_batch=max(per_step, 1) * data_size, drop_last=False)
+        self.per_step = max(int(per_step), 1)
+        self.share = _rows(self.num_samples, self.data_size, self.data_rank)
+        longest = max(b - a for a, b in (_rows(self.num_samples, self.data_size, r) for r in range(self.data_size)))
+        self._steps = -(-longest // self.per_step)
+
+    def __len__(self) -> int:
+        return self._steps
+
+    def __iter__(self) -> Iterator[list[int]]:
+        a, b = self.share
+        for step in range(self.start_step, self._steps):
+            lo = a + step * self.per_step
+            yield list(range(lo, min(lo + self.per_step, b))) if lo < b else []

@@ -1,13 +1,13 @@
 """Inference and evaluation over whole cases: the MLPerf sliding window and one-pass
 whole-volume inference, both split across the spatial group.
 
-    from parallel.infer import WindowCrop, evaluate_cases, plan_windows, sliding_window_logits
+    from parallel.infer import WindowCrop, case_logits, evaluate_cases, plan_windows, sliding_window_logits
 """
 
-from parallel.infer.evaluate import evaluate_cases, evaluation_due
+from parallel.infer.evaluate import case_logits, evaluate_cases, evaluation_due
 from parallel.infer.sliding import sliding_window_logits
-from parallel.infer.windows import (PAD_VALUE, WindowCrop, WindowPlan, importance_map, kept_range,
+from parallel.infer.windows import (PAD_VALUE, CaseRegion, WindowCrop, WindowPlan, importance_map, kept_range,
                                     plan_windows)
 
-__all__ = ["PAD_VALUE", "WindowCrop", "WindowPlan", "evaluate_cases", "evaluation_due", "importance_map",
-           "kept_range", "plan_windows", "sliding_window_logits"]
+__all__ = ["PAD_VALUE", "CaseRegion", "WindowCrop", "WindowPlan", "case_logits", "evaluate_cases", "evaluation_due",
+           "importance_map", "kept_range", "plan_windows", "sliding_window_logits"]

@@ -1,20 +1,25 @@
 """Evaluation over whole cases: loss and metric per case, averaged over the cases.
 
-Each data group takes its share of the cases (the loader's sampler: one case per group
-and step, ``GlobalShuffleSampler(n, grid, global_batch=grid.data_size, shuffle=False,
-drop_last=False)``); the ranks of a spatial group hold blocks of the same case. Two modes:
+Each data group takes its share of the cases (``parallel.data.ShardSampler``: a
+contiguous share in file order, as the reference deals its evaluation cases); the ranks of
+a spatial group hold blocks of the same case. Two modes, one function per case
+(``case_logits``, which ``python -m unet3d.predict`` calls too):
 
 - ``sliding`` (the MLPerf metric): the loader's dataset reads each rank's block of the
   case's kept part (``regions=WindowCrop(window, overlap)``) and the logits are the
   Gaussian-weighted sliding-window average (``parallel.infer.sliding``);
 - ``whole`` (this project's extension, not the MLPerf metric): one pass of the model over
-  each rank's block of the whole case, which needs every case's sides divisible by the
-  network's total stride and memory for the case's activations across the group.
+  each rank's block of the whole sample (a batch of them when they share one shape), which
+  needs every case's sides divisible by the network's total stride and memory for the
+  case's activations across the group.
 
 The metric of each case is the family's (the U-Net: Dice of argmax per foreground class,
-smooth 1e-6, averaged over kidney and tumour); the result is its mean over all cases. The
-reference averages per-rank means (``reduce_tensor`` of each rank's mean), which differs
-when the ranks hold unequal numbers of cases; here every case weighs the same.
+smooth 1e-6, averaged over kidney and tumour). ``average="cases"`` returns its mean over
+all cases (the same at every grid); ``"groups"`` the mean of each data group's mean, as the
+reference computes it (each of its ranks averages its share of the cases, then
+``reduce_tensor`` averages the ranks; a rank of the reference is a data group here). The
+two differ only when the data groups hold unequal numbers of cases (42 cases over 8
+groups: shares of 6 and 5).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from parallel.infer.sliding import sliding_window_logits
 from parallel.infer.windows import PAD_VALUE, plan_windows
 
 Metric = Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]
+Forward = Callable[[torch.Tensor], torch.Tensor]
 
 
 def evaluation_due(epoch: int, every: int, start_epoch: int = 0) -> bool:
@@ -45,22 +51,44 @@ def evaluation_due(epoch: int, every: int, start_epoch: int = 0) -> bool:
     return epoch >= start_epoch and (epoch - start_epoch) % every == 0
 
 
+def case_logits(forward: Forward, x: torch.Tensor, grid: Any, *, mode: Literal["sliding", "whole"] = "sliding",
+                region: torch.Tensor | None = None, window: Sequence[int] | None = None, overlap: float = 0.5,
+                pad_value: float = PAD_VALUE, sigma_scale: float = 0.125) -> torch.Tensor:
+    """This rank's block of one case's logits (1, K, d, h, w), evaluation and prediction alike.
+
+    ``x``: this rank's block (1, C, d, h, w) of the region the dataset read; ``region``:
+    that region (``REGION_KEY``: start and size), whose size the sliding window covers;
+    ``forward``: the spatially parallel model. Collective over the spatial group.
+    """
+    if mode == "whole":
+        return forward(x)
+    if mode != "sliding":
+        raise ValueError(f"evaluation mode {mode!r}: choose 'sliding' or 'whole'")
+    if window is None:
+        raise ValueError("sliding-window evaluation needs a window size")
+    if region is None:
+        raise ValueError("sliding-window evaluation reads each case's kept part: give the dataset "
+                         "regions=parallel.infer.WindowCrop(window, overlap)")
+    plan = plan_windows([int(v) for v in region[3:]], window, overlap)
+    return sliding_window_logits(forward, x, plan, grid, pad_value, sigma_scale)
+
+
 @torch.no_grad()
-def evaluate_cases(model: nn.Module | Callable[[torch.Tensor], torch.Tensor], loader: Any, grid: Any, *,
+def evaluate_cases(model: nn.Module | Forward, loader: Any, grid: Any, *,
                    input_field: str, target_field: str, metric: Metric, loss: Metric | None = None,
                    mode: Literal["sliding", "whole"] = "sliding", window: Sequence[int] | None = None,
                    overlap: float = 0.5, pad_value: float = PAD_VALUE, sigma_scale: float = 0.125,
                    autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
-                   epoch: int = 0) -> dict[str, float]:
+                   epoch: int = 0, average: Literal["cases", "groups"] = "cases") -> dict[str, float]:
     """Mean loss and metric over the cases the loader gives the data groups; the same on
     every rank. Collective over the job (the sums are added over the data group).
 
-    Returns ``{"loss", "metric", "samples", "seconds"}`` (``loss`` is NaN without ``loss``).
+    ``loader`` yields ``(batch dict, stats)``; in ``whole`` mode a batch runs in one
+    forward. Returns ``{"loss", "metric", "samples", "seconds"}`` (``loss`` is NaN without
+    ``loss``).
     """
-    if mode not in ("sliding", "whole"):
-        raise ValueError(f"evaluation mode {mode!r}: choose 'sliding' or 'whole'")
-    if mode == "sliding" and window is None:
-        raise ValueError("sliding-window evaluation needs a window size")
+    if average not in ("cases", "groups"):
+        raise ValueError(f"evaluation average {average!r}: choose 'cases' or 'groups'")
     was_training = getattr(model, "training", False)
     if isinstance(model, nn.Module):
         model.eval()
@@ -75,26 +103,36 @@ def evaluate_cases(model: nn.Module | Callable[[torch.Tensor], torch.Tensor], lo
     loader.set_epoch(epoch)
     for batch, _ in loader:
         x, y = batch[input_field], batch[target_field]
-        for i in range(x.shape[0]):
-            xi, yi = x[i:i + 1], y[i:i + 1]
-            if mode == "sliding":
-                if REGION_KEY not in batch:
-                    raise ValueError("sliding-window evaluation reads each case's kept part: give the dataset "
-                                     "regions=parallel.infer.WindowCrop(window, overlap)")
-                kept = [int(v) for v in batch[REGION_KEY][i, 3:]]
-                plan = plan_windows(kept, window, overlap)  # type: ignore[arg-type]
-                logits = sliding_window_logits(forward, xi, plan, grid, pad_value, sigma_scale)
-            else:
-                logits = forward(xi)
+        n = x.shape[0]
+        if n == 0:
+            continue
+        if mode == "whole":  # one forward for the batch (its samples share one shape)
+            pieces = [(forward(x), y)]
+        else:
+            regions = batch.get(REGION_KEY)
+            pieces = [(case_logits(forward, x[i:i + 1], grid, mode=mode, window=window, overlap=overlap,
+                                   region=regions[i] if regions is not None else None, pad_value=pad_value,
+                                   sigma_scale=sigma_scale), y[i:i + 1]) for i in range(n)]
+        for logits, yi in pieces:
             if loss is not None:
-                sums[0] += loss(logits, yi, grid).double()
+                sums[0] += loss(logits, yi, grid).double() * yi.shape[0]
             sums[1] += metric(logits, yi, grid).double().sum()
-            sums[2] += 1
-    if grid is not None and grid.data_size > 1:
-        comm.all_reduce_(sums, grid.data_group, caller="parallel.infer.evaluate_cases")
+            sums[2] += yi.shape[0]
     if isinstance(model, nn.Module):
         model.train(was_training)
-    count = max(sums[2].item(), 1.0)
-    return {"loss": sums[0].item() / count if loss is not None else float("nan"),
-            "metric": sums[1].item() / count, "samples": int(sums[2].item()),
+    total = _over_groups(sums, grid, average)
+    count = max(total[2].item(), 1.0)
+    return {"loss": total[0].item() / count if loss is not None else float("nan"),
+            "metric": total[1].item() / count, "samples": int(total[2].item()),
             "seconds": time.perf_counter() - t0}
+
+
+def _over_groups(sums: torch.Tensor, grid: Any, average: str) -> torch.Tensor:
+    """(loss sum, metric sum, count) over the data groups. ``groups``: each group's means
+    weigh 1 (a group without cases 0), returned as sums over a count of the groups."""
+    if average == "groups":
+        n = sums[2].item()
+        sums = torch.stack([sums[0] / max(n, 1.0), sums[1] / max(n, 1.0), sums.new_tensor(1.0 if n else 0.0)])
+    if grid is not None and grid.data_size > 1:
+        comm.all_reduce_(sums, grid.data_group, caller="parallel.infer.evaluate_cases")
+    return sums

@@ -150,16 +150,32 @@ def coverage_1d(plan: WindowPlan, axis: int, factor: torch.Tensor, lo: int, hi: 
 
 class WindowCrop:
     """The region policy of sliding-window evaluation: each case's kept part (step 1), so
-    that every rank reads its block of exactly what is scored (``BlockDataset(regions=)``)."""
+    that every rank reads its block of exactly what is scored (``BlockDataset(regions=)``).
+
+    ``drop_remainder=False`` keeps the whole case (prediction labels every voxel; the
+    windows then cover the whole case, padded as in step 2)."""
 
     fields: tuple[str, ...] = ()
 
-    def __init__(self, window: Sequence[int], overlap: float = 0.5) -> None:
+    def __init__(self, window: Sequence[int], overlap: float = 0.5, drop_remainder: bool = True) -> None:
         self.window = tuple(int(w) for w in window)
         self.overlap = float(overlap)
+        self.drop_remainder = drop_remainder
         strides(self.window, self.overlap)
 
     def region(self, index: int, epoch: int, shape: Sequence[int],
                scalars: Mapping[str, np.ndarray]) -> Region:
+        if not self.drop_remainder:
+            return CaseRegion().region(index, epoch, shape, scalars)
         ranges = kept_range(shape, self.window, self.overlap)
         return Region(tuple(a for a, _ in ranges), tuple(b - a for a, b in ranges))  # type: ignore[arg-type]
+
+
+class CaseRegion:
+    """The whole case as a region: samples then carry their case's shape (``REGION_KEY``)."""
+
+    fields: tuple[str, ...] = ()
+
+    def region(self, index: int, epoch: int, shape: Sequence[int],
+               scalars: Mapping[str, np.ndarray]) -> Region:
+        return Region((0, 0, 0), tuple(int(n) for n in shape))  # type: ignore[arg-type]

@@ -69,7 +69,7 @@ def main(family: Family, config_name: str = "default") -> Any:
                 print(f"bad config: {err}", file=sys.stderr)
             if job_info is None:
                 raise SystemExit(2) from None
-            return sweep.run_job(lambda: _refuse(err), job_info, lambda: str(cfg.run.dir))
+            return sweep.run_job(lambda e=err: _refuse(e), job_info, lambda: str(cfg.run.dir))
         text = OmegaConf.to_yaml(cfg, resolve=True)
         if job_info is None:
             return train(job, family, text)

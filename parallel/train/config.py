@@ -75,6 +75,11 @@ class EvalMode(Choice):
     whole = "whole"
 
 
+class EvalAverage(Choice):
+    cases = "cases"
+    groups = "groups"
+
+
 class Usage(Choice):
     hpc = "hpc"
     training = "training"
@@ -214,6 +219,9 @@ class OptimConfig:
     """SGD momentum: ``torch`` (b = m b + g; p -= lr b) or ``keras`` (v = m v + lr g;
     p -= v: the learning rate inside the velocity, as the MLPerf HPC CosmoFlow reference
     and NVIDIA's port compute it; the two differ whenever the learning rate changes)."""
+    decay_all: bool = False
+    """Weight decay on every parameter; False: only on those the model family's reference
+    decays (CosmoFlow: the two hidden dense weights), or all where the family names none."""
 
 
 @dataclass
@@ -266,6 +274,11 @@ class EvalConfig:
     start_epoch: int = 0
     """First (1-based) epoch to evaluate after; then every ``train.eval_every`` epochs
     (MLPerf U-Net: 1000, every 20). 0: whenever the epoch is a multiple of eval_every."""
+    average: EvalAverage = EvalAverage.cases
+    """How the metric is averaged: ``cases`` (every case weighs the same, at any grid) or
+    ``groups`` (the mean of each data group's mean over its contiguous share of the cases,
+    as the MLPerf U-Net reference averages its ranks' means; the two differ only when the
+    data groups hold unequal numbers of cases)."""
 
 
 @dataclass

@@ -17,10 +17,13 @@ from typing import Any, Iterator
 
 import torch
 
-from parallel.data import BlockDataset, GlobalShuffleSampler, make_loader, stage
+from parallel.data import BlockDataset, GlobalShuffleSampler, ShardSampler, make_loader, stage
+from parallel.data.crops import REGION_KEY, BalancedCrop
 from parallel.data.loader import StepStats
 from parallel.data.reader import SampleReadError
 from parallel.grid import Grid
+from parallel.infer.windows import WindowCrop
+from parallel.train import cases
 from parallel.train.config import JobConfig
 from parallel.train.family import Family
 from parallel.train.preflight import SampleFacts
@@ -77,7 +80,7 @@ class CheckedDataset(BlockDataset):
                 return sample, nbytes, seconds
             block = ""
             if self.grid is not None and self.grid.spatial_size > 1 and name == self.input_field:
-                block = f" in this rank's block {self._block()}"
+                block = f" in this rank's block {self._block(sample)}"
             hint = " (data.nonfinite=skip skips such samples)" if name == self.input_field else ""
             raise SampleReadError(f"{where}: {bad} non-finite values (NaN or inf) after the transform{block}, "
                                   f"want all finite{hint}")
@@ -85,7 +88,12 @@ class CheckedDataset(BlockDataset):
             sample[self._FLAG] = torch.tensor(True)
         return sample, nbytes, seconds
 
-    def _block(self) -> list[tuple[int, int]]:
+    def _block(self, sample: dict[str, torch.Tensor]) -> list[tuple[int, int]]:
+        """This rank's block in the case's coordinates: of the region read (a crop), or of the case."""
+        region = sample.get(REGION_KEY)
+        if region is not None:
+            start, size = region[:3].tolist(), region[3:].tolist()
+            return [(a + s, b + s) for (a, b), s in zip(self.grid.block_range(tuple(size)), start)]
         shape = self.attrs.get("global_shape")
         return list(self.grid.block_range(tuple(int(s) for s in shape))) if shape is not None else []
 
@@ -105,6 +113,7 @@ class Batches:
     def __iter__(self) -> Iterator[tuple[Batch, StepStats]]:
         for fields, stats in self.loader:
             finite = fields.pop(CheckedDataset._FLAG, None)
+            fields.pop(REGION_KEY, None)  # where a crop was taken: the reader's business, not the step's
             yield Batch(fields, finite), stats
 
 
@@ -117,6 +126,7 @@ class JobData:
     n_train: int
     n_val: int
     volume: tuple[int, int, int]
+    """What the network trains on: the crop, or the cases' volume."""
     staging_seconds: float = 0.0
 
 
@@ -156,17 +166,30 @@ def build_data(cfg: JobConfig, family: Family, grid: Grid, facts: SampleFacts) -
     train_dir = split_dir(cfg, "train", family)
     val_dir = split_dir(cfg, "val", family)
     t0 = time.perf_counter()
+    sliding = str(cfg.eval.mode) == "sliding"
     if cfg.data.stage_dir:
-        mode = "blocks" if cfg.data.stage_blocks_only else "shard"
-        train_dir = Path(stage(str(train_dir), str(Path(cfg.data.stage_dir) / "train"), grid, mode=mode).path)
-        val_dir = Path(stage(str(val_dir), str(Path(cfg.data.stage_dir) / "val"), grid, mode=mode).path)
+        # a rank's block of a crop or of a window's kept part lies anywhere in the case: whole files
+        blocks = cfg.data.stage_blocks_only
+        modes = ["blocks" if blocks and cfg.data.crop is None else "shard",
+                 "blocks" if blocks and not sliding else "shard"]
+        if blocks and "shard" in modes:
+            log.info("staging whole files of %s: crops and sliding windows read anywhere in a case",
+                     " and ".join(n for n, m in zip(("train", "val"), modes) if m == "shard"))
+        train_dir = Path(stage(str(train_dir), str(Path(cfg.data.stage_dir) / "train"), grid, mode=modes[0]).path)
+        val_dir = Path(stage(str(val_dir), str(Path(cfg.data.stage_dir) / "val"), grid, mode=modes[1]).path)
     staging = time.perf_counter() - t0
     check = dict(input_field=family.input_field, target_field=family.target_field)
+    crops = None
+    if cfg.data.crop is not None:
+        oversampling = cfg.data.oversampling if family.crop_boxes else 0.0
+        crops = BalancedCrop(cfg.data.crop, oversampling, seed=cfg.train.seed, boxes_field=family.crop_boxes or "")
     train_ds = CheckedDataset(train_dir, fields=fields, grid=grid, transform=family.transform,
-                              max_open_files=cfg.data.max_open_files, nonfinite=str(cfg.data.nonfinite), **check)
+                              max_open_files=cfg.data.max_open_files, nonfinite=str(cfg.data.nonfinite),
+                              regions=crops, **check)
     # Validation never skips: a metric over fewer samples would not be the metric.
+    windows = WindowCrop(cases.window(cfg), cfg.eval.overlap) if sliding else None  # type: ignore[arg-type]
     val_ds = CheckedDataset(val_dir, fields=fields, grid=grid, transform=family.transform,
-                            max_open_files=cfg.data.max_open_files, nonfinite="fail", **check)
+                            max_open_files=cfg.data.max_open_files, nonfinite="fail", regions=windows, **check)
     if family.transform_for is not None:
         train_ds.transform = family.transform_for(train_ds.attrs)
         val_ds.transform = family.transform_for(val_ds.attrs)
@@ -183,11 +206,13 @@ def build_data(cfg: JobConfig, family: Family, grid: Grid, facts: SampleFacts) -
         raise ValueError(f"{train_dir} holds {n_train} samples, fewer than train.global_batch_size={g}")
     train_sampler = GlobalShuffleSampler(n_train, grid, global_batch=g, seed=cfg.train.seed,
                                          shuffle=True, drop_last=True)
+    # evaluation: contiguous shares of the cases per data group, as the reference deals them;
+    # one case per step where they differ in shape or the sliding window takes them one by one
     eval_batch = cfg.train.eval_batch_size or g
-    val_sampler = GlobalShuffleSampler(n_val, grid, global_batch=max(eval_batch, grid.data_size),
-                                       seed=cfg.train.seed, shuffle=False, drop_last=False)
+    one_by_one = sliding or len({shape for _, shape in facts.val_shapes}) > 1
+    val_sampler = ShardSampler(n_val, grid, per_step=1 if one_by_one else max(eval_batch // grid.data_size, 1))
     return JobData(
         train=Batches(_loader(train_ds, train_sampler, cfg, grid, cfg.train.seed + 1)),
         val=Batches(_loader(val_ds, val_sampler, cfg, grid, cfg.train.seed + 2)),
-        n_train=n_train, n_val=n_val, volume=facts.volume, staging_seconds=staging,
+        n_train=n_train, n_val=n_val, volume=cases.train_volume(cfg, facts.volume), staging_seconds=staging,
     )

@@ -1,23 +1,27 @@
 """Evaluation: loss and metric over the validation split, reduced over the grid.
 
-The model's loss and per-sample metric are already whole-volume values, replicated over
-each spatial group (the family computes them from spatially reduced sums); the sums over
-samples are then added over the data group. Ranks whose data group has no sample in a
-step (a short last batch) skip the forward: every collective inside the model stays
-within one spatial group, whose ranks always hold the same samples.
+The loop's evaluation is ``parallel.infer.evaluate_cases`` with the job's ``eval`` section:
+``eval.mode=sliding`` (the MLPerf U-Net's Gaussian-weighted sliding window, every window
+split across the spatial group) or ``whole`` (one pass over whole samples, batched where
+they share one shape). The model's loss and per-sample metric are already whole-volume
+values, replicated over each spatial group (the family computes them from spatially
+reduced sums); the sums over samples are then added over the data group. Ranks whose
+data group has no sample in a step (a short share) skip the forward: every collective
+inside the model stays within one spatial group, whose ranks always hold the same samples.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 from typing import Any, ContextManager
 
 import torch
-from parallel import comm
 from torch import nn
 
 from parallel.grid import Grid
+from parallel.infer import evaluate_cases
+from parallel.train import cases
+from parallel.train.config import JobConfig
 from parallel.train.family import Family
 
 
@@ -31,30 +35,19 @@ def autocast(precision: str, device: torch.device) -> ContextManager[Any]:
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-@torch.no_grad()
-def evaluate(model: nn.Module, loader: Any, family: Family, grid: Grid, precision: str,
+def evaluate(model: nn.Module, loader: Any, family: Family, grid: Grid, cfg: JobConfig,
              epoch: int) -> dict[str, float]:
-    """Mean loss and mean metric over the validation samples; the same on every rank.
+    """Mean loss and metric over the validation cases, as ``cfg.eval`` says (sliding window
+    or whole samples, averaged over cases or data groups); the same on every rank.
 
-    ``loader`` yields ``(parallel.train.data.Batch, StepStats)``."""
-    was_training = model.training
-    model.eval()
-    t0 = time.perf_counter()
-    sums = torch.zeros(3, dtype=torch.float64, device=grid.device)
-    loader.set_epoch(epoch)
-    for batch, _ in loader:
-        x, y = batch.fields[family.input_field], batch.fields[family.target_field]
-        n = x.shape[0]
-        if n == 0:
-            continue
-        with autocast(precision, grid.device):
-            out = model(x)
-        sums[0] += family.loss(out, y, grid).double() * n
-        sums[1] += family.metric(out, y, grid).double().sum()
-        sums[2] += n
-    if grid.data_size > 1:
-        comm.all_reduce_(sums, grid.data_group, caller="evaluate")
-    model.train(was_training)
-    count = max(sums[2].item(), 1.0)
-    return {"val_loss": sums[0].item() / count, f"val_{family.metric_name}": sums[1].item() / count,
-            "val_samples": int(sums[2].item()), "eval_seconds": time.perf_counter() - t0}
+    ``loader``: the validation ``BlockLoader`` (its batches carry the regions read)."""
+    ev = cfg.eval
+    window = cases.window(cfg)
+    out = evaluate_cases(model, loader, grid, input_field=family.input_field, target_field=family.target_field,
+                         metric=family.metric, loss=family.loss, mode=str(ev.mode),  # type: ignore[arg-type]
+                         window=window,
+                         overlap=ev.overlap, pad_value=ev.pad_value, sigma_scale=ev.sigma_scale,
+                         autocast=lambda: autocast(str(cfg.train.precision), grid.device), epoch=epoch,
+                         average=str(ev.average))  # type: ignore[arg-type]
+    return {"val_loss": out["loss"], f"val_{family.metric_name}": out["metric"], "val_samples": out["samples"],
+            "eval_seconds": out["seconds"]}

@@ -78,15 +78,28 @@ class Family:
     synthetic: Optional[Callable[[int, int, int, int], dict[str, np.ndarray]]] = None
     """(seed, split, index, size) -> one synthetic sample as field arrays (no sample axis),
     for the I/O benchmarks."""
+    decayed: Optional[Callable[[nn.Module], list[str]]] = None
+    """(serial model) -> names of the only parameters weight decay applies to (the
+    reference's choice, e.g. CosmoFlow's hidden dense weights); None: all
+    (``optim.decay_all=true`` overrides it)."""
+    crop_boxes: Optional[str] = None
+    """Scalar field of the sample files holding the foreground boxes that training crops
+    (``data.crop``, ``parallel.data.crops.BalancedCrop``) choose from; None: crops are
+    placed uniformly (``data.oversampling`` must then be 0)."""
 
     def reached(self, value: float, target: float) -> bool:
         """Whether a metric value meets ``target``."""
         return value <= target if self.goal == "min" else value >= target
 
-    def trained_spec(self) -> SampleSpec:
-        """The sample spec limited to the two fields training reads."""
-        wanted = (self.input_field, self.target_field)
-        return SampleSpec(self.spec.name, tuple(f for f in self.spec.fields if f.name in wanted), self.spec.attrs)
+    def trained_spec(self, crops: bool = False) -> SampleSpec:
+        """The sample spec limited to the two fields training reads, and with ``crops``
+        the foreground boxes the crops choose from (then with the spec's own checks,
+        which relate the boxes to the label)."""
+        boxes = (self.crop_boxes,) if crops and self.crop_boxes else ()
+        wanted = (self.input_field, self.target_field) + boxes
+        checks = self.spec.checks if len(wanted) > 2 else ()
+        return SampleSpec(self.spec.name, tuple(f for f in self.spec.fields if f.name in wanted), self.spec.attrs,
+                          checks)
 
     def prepare_hint(self, out: str) -> str:
         """How to write a data set to ``out`` (for error messages)."""

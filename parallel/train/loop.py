@@ -22,7 +22,8 @@ from mlperf_logging.mllog import constants as C
 
 import parallel
 from parallel.grid import Grid
-from parallel.train import checkpoint, preflight
+from parallel.infer import evaluation_due
+from parallel.train import cases, checkpoint, preflight
 from parallel.train.config import JobConfig
 from parallel.train.data import build_data
 from parallel.train.evaluate import evaluate
@@ -49,8 +50,10 @@ class Trainer:
         self.resuming = cfg.train.resume and self.ckpt_path.is_file()
         # bad files stop the job here, on every rank; the facts are read once and handed on
         facts = preflight.check_data(cfg, family, grid, facts)
-        preflight.check_model(family, cfg.model, facts.volume, facts.channels, grid, cfg.train)
-        meta = {"family": family.name, "volume": list(facts.volume), "model": plain_config(cfg.model)}
+        cases.check(cfg, family, grid, facts.channels, facts.train_shapes, facts.val_shapes)
+        volume = cases.train_volume(cfg, facts.volume)
+        preflight.check_model(family, cfg.model, volume, facts.channels, grid, cfg.train)
+        meta = {"family": family.name, "volume": list(volume), "model": plain_config(cfg.model)}
         self._ckpt = None
         if self.resuming:  # a checkpoint of another model is refused before any log is moved or cut
             self._ckpt = checkpoint.load_latest(self.ckpt_path, map_location=grid.device)
@@ -74,7 +77,11 @@ class Trainer:
                                            overlap_halo=cfg.parallel.overlap_halo,
                                            recompute=cfg.train.activation_checkpointing)
         torch.manual_seed(cfg.train.seed + 7919 * (grid.rank + 1))  # per-rank dropout stream
-        self.optimizer = build_optimizer(self.pmodel.parameters(), cfg.optim)
+        # weight decay only where the family's reference applies it (one group when there is none to apply)
+        chosen = family.decayed is not None and not cfg.optim.decay_all and cfg.optim.weight_decay > 0
+        decayed = family.decayed(self.model) if chosen else None  # type: ignore[misc]
+        self.optimizer = build_optimizer(self.pmodel.named_parameters() if decayed is not None
+                                         else self.pmodel.parameters(), cfg.optim, decayed=decayed)
         self.steps_per_epoch = len(self.data.train)
         self.schedule = Schedule(cfg.sched, cfg.optim, cfg.train.global_batch_size,
                                  self.steps_per_epoch, cfg.train.epochs)
@@ -170,7 +177,7 @@ class Trainer:
             finished_epoch = p.step % spe == 0
             if finished_epoch:
                 p.epoch += 1
-            want_eval = (finished_epoch and cfg.train.eval_every and p.epoch % cfg.train.eval_every == 0) \
+            want_eval = (finished_epoch and evaluation_due(p.epoch, cfg.train.eval_every, cfg.eval.start_epoch)) \
                 or (p.step >= total and cfg.train.eval_at_end)
             if want_eval:
                 values = self._evaluate(rep, t_run)
@@ -212,7 +219,7 @@ class Trainer:
         fam, p = self.family, self.progress
         epoch_num = p.epoch if p.step % self.steps_per_epoch == 0 else p.epoch + 1
         self.ml.start(C.EVAL_START, epoch_num=epoch_num)
-        values = evaluate(self.pmodel, self.data.val, fam, self.grid, self.cfg.train.precision, p.epoch)
+        values = evaluate(self.pmodel, self.data.val.loader, fam, self.grid, self.cfg, p.epoch)
         metric = values[f"val_{fam.metric_name}"]
         self.ml.event(fam.mlperf_eval_key, metric, epoch_num=epoch_num)
         self.ml.end(C.EVAL_STOP, epoch_num=epoch_num)

@@ -16,6 +16,7 @@ the same ``InputError``, so the job ends cleanly without waiting for a timeout. 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -80,6 +81,14 @@ def validate_config(cfg: JobConfig) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    from parallel.train import cases
+    from parallel.train.optim import check_schedule
+
+    try:
+        check_schedule(cfg.sched, cfg.optim, cfg.train.global_batch_size)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    cases.validate(cfg)
 
 
 def check_world(spatial: Sequence[int], world_size: int) -> None:
@@ -108,6 +117,10 @@ class SampleFacts:
     """Bytes of one stored value of the input field."""
     source: Path
     """The file they were read from (the first training file)."""
+    train_shapes: tuple[tuple[str, tuple[int, int, int]], ...] = ()
+    """(file, (D, H, W)) of every training file (``check_data``; cases may differ in shape)."""
+    val_shapes: tuple[tuple[str, tuple[int, int, int]], ...] = ()
+    """(file, (D, H, W)) of every validation file."""
 
     @property
     def stored_bytes_per_voxel(self) -> int:
@@ -118,7 +131,7 @@ class SampleFacts:
 def read_facts(cfg: JobConfig, family: Family, first: Path | None = None, key: str = "data.train_subdir"
                ) -> SampleFacts:
     """The ``SampleFacts`` of the job, from ``first`` (default: the first training file)."""
-    spec = family.trained_spec()
+    spec = family.trained_spec(crops=cfg.data.crop is not None and cfg.data.oversampling > 0)
     field = spec[family.input_field]
     if first is None:
         root = Path(cfg.data.dir) / cfg.data.train_subdir
@@ -215,25 +228,50 @@ def check_data(cfg: JobConfig, family: Family, grid: Grid, facts: SampleFacts | 
         facts = read_facts(cfg, family, listed[0][2][0], listed[0][0])
     spec, volume = facts.spec, facts.volume
     try:
-        grid.block_range(volume)
+        if cfg.data.crop is None:  # crops are checked against the split instead (parallel.train.cases)
+            grid.block_range(volume)
     except SplitError as err:
         raise InputError(f"parallel.spatial={list(grid.spatial)} cannot split the volume {list(volume)} of "
                          f"{listed[0][1]}: {err}") from err
     problems: list[str] = []
-    if mode != "none":
-        every = [(p, counts.get(p.name)) for _, _, files, counts in listed for p in files]
-        for i in range(grid.rank, len(every), grid.world_size):
-            path, claimed = every[i]
-            found = check_file(path, spec, deep=(mode == "deep"), volume=volume)
+    from parallel.train.cases import weights_depend_on_volume
+
+    # cases may differ in shape, unless the network's weights fix its volume
+    one_volume = volume if cfg.data.crop is None and weights_depend_on_volume(family, cfg.model, volume) else None
+    every = [(p, counts.get(p.name), split) for split, (_, _, files, counts) in enumerate(listed) for p in files]
+    shapes: list[str] = []  # "split path D H W" of this rank's share: every case has its own shape
+    for i in range(grid.rank, len(every), grid.world_size):
+        path, claimed, split = every[i]
+        if mode != "none":
+            found = check_file(path, spec, deep=(mode == "deep"), volume=one_volume)
             found += _manifest_problems(path, claimed)
             problems.extend(f"{path}: {p}" for p in found)
+        shape = _case_shape(path)
+        if shape is not None:
+            shapes.append(json.dumps([split, str(path), list(shape)]))
     problems = _gather_lines(problems, grid)
     if problems:
         more = f" (and {len(problems) - MAX_LISTED} more)" if len(problems) > MAX_LISTED else ""
         raise InputError(f"{len(problems)} problem(s) in the sample files of data.dir={cfg.data.dir!r}{more}:\n  "
                          + "\n  ".join(problems[:MAX_LISTED])
                          + f"\n`{family.prepare or 'the prepare command'} check DIR` lists every problem")
-    return facts
+    found_shapes: list[tuple[tuple[str, tuple[int, int, int]], ...]] = [(), ()]
+    for line in sorted(_gather_lines(shapes, grid), key=lambda t: (json.loads(t)[0], json.loads(t)[1])):
+        split, path, shape = json.loads(line)
+        found_shapes[split] += ((path, tuple(shape)),)
+    return dataclasses.replace(facts, train_shapes=found_shapes[0], val_shapes=found_shapes[1])
+
+
+def _case_shape(path: Path) -> tuple[int, int, int] | None:
+    """The (D, H, W) a sample file declares (None when unreadable: the file check says why)."""
+    import h5py
+
+    try:
+        with h5py.File(path, "r") as f:
+            shape = f.attrs.get("global_shape")
+    except OSError:
+        return None
+    return tuple(int(n) for n in shape) if shape is not None and len(shape) == 3 else None  # type: ignore[return-value]
 
 
 def _gather_lines(lines: list[str], grid: Grid) -> list[str]:
