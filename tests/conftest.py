@@ -68,6 +68,7 @@ TIERS = {
     "test_train_equivalence": "launch",
     "test_train_resume": "launch",
     "test_train_state": "unit",
+    "test_user_models": "launch",
     "test_verify": "ranks",
     "test_watchdog": "unit",
 }

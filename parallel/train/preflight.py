@@ -33,6 +33,7 @@ from parallel.grid import Grid
 from parallel.partition import DIM_NAMES, SplitError
 from parallel.train.config import JobConfig
 from parallel.train.family import Family
+from parallel.train.usermodel import check_user_model, is_user_model
 
 log = logging.getLogger("parallel.train")
 
@@ -75,6 +76,8 @@ def validate_config(cfg: JobConfig) -> None:
         (cfg.run.log_every >= 1, f"run.log_every={cfg.run.log_every}: want >= 1"),
         (cfg.run.checkpoint_every >= 0, f"run.checkpoint_every={cfg.run.checkpoint_every}: want >= 0"),
         (cfg.optim.lr > 0, f"optim.lr={cfg.optim.lr}: want > 0"),
+        (str(cfg.parallel.verify).lower() in ("auto", "true", "false"),
+         f"parallel.verify={cfg.parallel.verify}: want auto, true or false"),
     ]
     for ok, message in checks:
         if not ok:
@@ -256,6 +259,11 @@ def check_model(family: Family, model_cfg: Any, volume: Sequence[int], channels:
             model = family.build_model(model_cfg, tuple(int(v) for v in volume))
     except (ValueError, TypeError) as err:  # the model's own checks of its config against the volume
         raise InputError(f"{family.name} model: {err}") from err
+    if is_user_model(model_cfg):  # a network of the user's: does it fit the family's fields?
+        try:
+            check_user_model(model, family, model_cfg, volume, channels)
+        except ValueError as err:
+            raise InputError(str(err)) from err
     if grid.spatial_size == 1:
         return
     try:
@@ -267,9 +275,10 @@ def check_model(family: Family, model_cfg: Any, volume: Sequence[int], channels:
         raise InputError(f"the model ({family.name}, model config {model_cfg}) cannot run on a volume of "
                          f"{list(volume)}: {err}") from err
     for layer in layers:
-        if len(layer.in_shape) != 4 or len(layer.out_shape) != 4:
-            continue
+        if layer.replicated or len(layer.in_shape) != 4 or len(layer.out_shape) != 4:
+            continue  # after a global pool every rank holds the whole tensor
         n_in, n_out = layer.in_shape[1:], layer.out_shape[1:]
+        n_out = n_in if layer.out_replicated else n_out
         for axis, parts in enumerate(grid.spatial):
             if parts > 1 and min(n_in[axis], n_out[axis]) < parts:
                 raise InputError(
