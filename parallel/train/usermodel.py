@@ -121,11 +121,11 @@ def check_user_model(model: nn.Module, family: Any, target_cfg: Any, volume: Seq
     name = target_cfg[TARGET]
     volume = tuple(int(v) for v in volume)
     try:
-        with torch.no_grad():
-            out = model.to("meta")(torch.zeros((1, channels, *volume), device="meta"))
+        with torch.no_grad():  # in eval mode: BatchNorm refuses one voxel of one sample in training mode
+            out = model.to("meta").eval()(torch.zeros((1, channels, *volume), device="meta"))
     except (RuntimeError, ValueError, TypeError, IndexError) as err:
         hint = ""
-        if "channels" in str(err):
+        if re.search(r"to have \d+ channels|channel dimensions", str(err)):
             hint = (f" The data's {family.input_field!r} field has {channels} channel(s): set the network's "
                     "input channels (model.in_channels=..., model.n_input_channels=... for MONAI's ResNets).")
         raise ValueError(f"model._target_={name} cannot run on one sample of shape {(channels, *volume)} "
