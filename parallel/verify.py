@@ -143,6 +143,12 @@ class _Recorder(TorchFunctionMode):
         return list(dict.fromkeys(reversed(seen)))
 
 
+def _flattens_volume(mod: nn.Module, inputs: Any) -> bool:
+    """Whether ``mod`` is a ``Flatten(1, -1)`` called on a 5-D tensor."""
+    return (isinstance(mod, nn.Flatten) and mod.start_dim == 1 and mod.end_dim == -1 and len(inputs) == 1
+            and isinstance(inputs[0], torch.Tensor) and inputs[0].dim() == 5)
+
+
 def _hook_all(model: nn.Module, calls: list, recorder: _Recorder | None = None) -> list:
     """Forward hooks that append (name, call number, cloned outputs, replicated flags)."""
     counts: dict[str, int] = {}
@@ -150,10 +156,14 @@ def _hook_all(model: nn.Module, calls: list, recorder: _Recorder | None = None) 
     for name, m in model.named_modules():
         label = name or "<model>"
 
-        def done(mod: nn.Module, _i: Any, out: Any, label: str = label) -> None:
+        def done(mod: nn.Module, inputs: Any, out: Any, label: str = label) -> None:
             k = counts.get(label, 0)
             counts[label] = k + 1
             leaves = _leaves(out)
+            if _flattens_volume(mod, inputs):
+                # A split Flatten hands its 5-D block to the Linear after it (partial products):
+                # compare the volume it flattens, which is its output in either model's layout.
+                leaves = [inputs[0]]
             calls.append(((label, k), type(mod).__name__, [t.detach().clone() for t in leaves],
                           [is_replicated(t) for t in leaves]))
             if recorder is not None:
