@@ -60,7 +60,8 @@ def test_trace_gives_halos_and_follows_replication_through_the_forward():
     assert layers["shrink"].kind == "pool" and layers["shrink"].halo == (5, 5, 4)  # 36 -> 8: windows of 5
     assert layers["gate.pool"].kind == "gpool" and layers["gate.pool"].out_replicated
     assert not layers["gate.pool"].replicated
-    assert layers["gate.squeeze"].replicated and layers["gate.excite"].replicated and layers["gate.excite"].kind == "conv"
+    assert layers["gate.squeeze"].replicated and layers["gate.excite"].replicated
+    assert layers["gate.excite"].kind == "conv"
     assert not layers["head.0"].replicated and layers["head.0"].kind == "gpool"  # x * gate is split again
     assert layers["head.1"].replicated and layers["head.2"].replicated and layers["head.2"].kind == "linear"
 
@@ -118,7 +119,8 @@ def test_monai_networks_plan_with_spatial_splits(name, kwargs, size):
 def test_plan_cli_takes_a_network_by_target(capsys):
     code = plan.main(["--model", "cosmoflow", "--size", "32", "--devices", "2", "--batch", "2", "--set",
                       "model._target_=monai.networks.nets.DenseNet", "model.spatial_dims=3", "model.in_channels=4",
-                      "model.out_channels=4", "model.init_features=8", "model.growth_rate=4", "model.block_config=[2,2]"])
+                      "model.out_channels=4", "model.init_features=8", "model.growth_rate=4",
+                      "model.block_config=[2,2]"])
     out = capsys.readouterr().out
     assert code == 0 and " 2x1x1 " in out and " 1x1x1 " in out, out
     assert plan.main(["--model", "cosmoflow", "--devices", "2", "--set", "model._target_=no.Such"]) == 2

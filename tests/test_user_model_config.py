@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
@@ -155,3 +154,14 @@ def test_probe_is_small_where_the_network_allows_and_whole_where_it_must():
     assert probe == (1, 4, 32, 32, 32) and how.startswith("one whole sample")  # Flatten+Linear fixes the size
     probe, why = verification.choose_probe(cosmo, grid, 4, (32, 32, 32), whole_allowed=False)
     assert probe is None and "parallel.verify=true" in why
+
+
+def test_parallel_verify_takes_auto_true_or_false():
+    from parallel.train.preflight import ConfigError, validate_config
+
+    job, _, _ = _compose(UNET, ["parallel.verify=true"])
+    assert job.parallel.verify is True
+    validate_config(job)
+    job.parallel.verify = "sometimes"
+    with pytest.raises(ConfigError, match="parallel.verify=sometimes: want auto, true or false"):
+        validate_config(job)

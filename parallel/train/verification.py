@@ -88,10 +88,13 @@ def choose_probe(serial: nn.Module, grid: Grid, channels: int, volume: Sequence[
         small: tuple[int, ...] | None = probe_shape(serial, grid, channels, reach=tuple(volume))
     except ValueError:
         small = None
-    if small is not None and math.prod(small[2:]) < math.prod(whole[2:]) and _accepts(serial, small):
+    smaller = small is not None and math.prod(small[2:]) < math.prod(whole[2:])
+    if smaller and _accepts(serial, small):  # type: ignore[arg-type]
         return small, "sized from the network"
     if whole_allowed and _accepts(serial, whole):
-        return whole, "one whole sample per data group (the network accepts no smaller probe)"
+        why = "the network accepts no smaller probe" if smaller else \
+            "the network's downsampling times the split needs the whole volume"
+        return whole, f"one whole sample per data group: {why}"
     return None, (f"the network accepts no probe smaller than its training volume {list(volume)}, and a serial "
                   f"forward and backward of a whole sample on every rank is more than auto spends (over "
                   f"{PROBE_LIMIT} voxels); parallel.verify=true verifies on one")
