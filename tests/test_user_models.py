@@ -105,17 +105,23 @@ def test_monai_densenet_regresses_cosmoflow_parameters(tmp_path_factory: pytest.
     from monai.networks.nets import DenseNet
 
     data = prepare("cosmoflow", tmp_path_factory.mktemp("cosmo16"), 16, 8, 4)
-    out = tmp_path_factory.mktemp("densenet") / "run"
+    root = tmp_path_factory.mktemp("densenet")
     net = dict(spatial_dims=3, in_channels=4, out_channels=4, init_features=8, growth_rate=4, block_config=[2, 2])
-    proc = launch("cosmoflow", 2, ["--config-name", "quickstart", f"data.dir={data}", f"run.dir={out}",
-                                   "parallel.spatial=[2,1,1]", "train.global_batch_size=4", "train.max_steps=2",
-                                   "run.progress=false", "run.tensorboard=false",
-                                   *_overrides(net, "monai.networks.nets.DenseNet")])
+    common = ["--config-name", "quickstart", f"data.dir={data}", "train.global_batch_size=4", "train.max_steps=2",
+              "run.progress=false", "run.tensorboard=false", *_overrides(net, "monai.networks.nets.DenseNet")]
+    proc = launch("cosmoflow", 2, [*common, f"run.dir={root / 'split'}", "parallel.spatial=[2,1,1]"])
     assert "parallel.verify: checked before the first step" in proc.stdout + proc.stderr
-    summary = json.loads((out / "summary.json").read_text())
+    summary = json.loads((root / "split" / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["metric"] == "val_mae" and summary["best_metric"] > 0
     plain = DenseNet(**net)
-    plain.load_state_dict(torch.load(out / "checkpoints" / "last.pt", weights_only=True)["model"], strict=True)
+    plain.load_state_dict(torch.load(root / "split" / "checkpoints" / "last.pt", weights_only=True)["model"],
+                          strict=True)
+    # BatchNorm's running statistics (buffers of the state_dict) follow the serial run's too
+    launch("cosmoflow", 1, [*common, f"run.dir={root / 'serial'}", "parallel.spatial=[1,1,1]"])
+    serial, split = weights(root / "serial"), weights(root / "split")
+    assert any("running_var" in k for k in serial)
+    diff, key = max_rel_diff(serial, split)
+    assert diff < 1e-4, f"{key} differs by {diff:.2e} relative between the serial and the split run"
 
 
 def test_a_functional_resize_is_stopped_by_verification_naming_the_module(unet_data, tmp_path):
