@@ -38,7 +38,9 @@ class EveryLayer(nn.Module):
     """A two-headed 3D CNN using every layer type that has a spatial twin.
 
     Returns a voxel-wise map (distributed over the spatial group) and a per-sample
-    vector after Flatten+Linear (replicated), so both gradient paths are exercised.
+    vector after Flatten+Linear (replicated), so both gradient paths are exercised; a
+    squeeze-and-excitation gate multiplies a global pool's replicated output into the
+    split volume.
     """
 
     def __init__(self, channels: int = 2, size: int = 12) -> None:
@@ -47,15 +49,21 @@ class EveryLayer(nn.Module):
             nn.Conv3d(channels, 4, 3, padding=1, bias=False), nn.BatchNorm3d(4), nn.ReLU(),
             nn.Conv3d(4, 4, 3, padding=1, padding_mode="circular", bias=False), nn.InstanceNorm3d(4, affine=True),
             nn.LeakyReLU(0.3), nn.MaxPool3d(2),
-            nn.Conv3d(4, 8, 3, stride=2, padding=1, bias=False), nn.GroupNorm(2, 8), nn.Tanh(),
+            nn.ConstantPad3d(1, 0.5), nn.Conv3d(4, 8, 3, stride=2, bias=False), nn.GroupNorm(2, 8), nn.Tanh(),
             nn.AvgPool3d(3, stride=1, padding=1),
         )
-        self.decode = nn.Sequential(nn.ConvTranspose3d(8, 4, 2, stride=2), nn.ELU(), nn.Conv3d(4, 3, 1))
+        self.gate = nn.Sequential(nn.AdaptiveAvgPool3d(1), nn.Conv3d(8, 8, 1), nn.Sigmoid())
+        # nearest upsampling (an exact gather): a trilinear one's float32 rounding, split or not,
+        # tips later bf16 casts and triples the bf16 difference (tests/test_layers_resample.py covers it)
+        self.decode = nn.Sequential(nn.ConvTranspose3d(8, 4, 2, stride=2), nn.ELU(),
+                                    nn.Upsample(scale_factor=2, mode="nearest"), nn.AdaptiveAvgPool3d(size // 2),
+                                    nn.Conv3d(4, 3, 1))
         feats = 8 * (size // 4) ** 3
         self.head = nn.Sequential(nn.Flatten(), nn.Linear(feats, 16), nn.ReLU(), nn.Dropout(0.0), nn.Linear(16, 4))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         z = self.encode(x)
+        z = z * self.gate(z)
         return self.decode(z), self.head(z)
 
 

@@ -65,10 +65,12 @@ def _in_channels(model: nn.Module) -> int:
     raise ValueError(f"cannot tell the input channels of {type(model).__name__}; pass a probe shape")
 
 
-def _downsampling(model: nn.Module, channels: int, reach: int) -> list[int]:
-    """Per dim, how much the network shrinks its input (a dry run on the meta device)."""
+def _downsampling(model: nn.Module, channels: int, reach: int | Sequence[int]) -> list[int]:
+    """Per dim, how much the network shrinks its input (a dry run on the meta device, on a
+    volume of ``reach`` voxels per dim, or of the shape ``reach``)."""
+    dims = [int(reach)] * 3 if isinstance(reach, int) else [int(r) for r in reach]
     dry = copy.deepcopy(model).to("meta")
-    smallest = [reach] * 3
+    smallest = list(dims)
     hooks = []
 
     def seen(_m: nn.Module, _i: Any, out: Any) -> None:
@@ -80,18 +82,24 @@ def _downsampling(model: nn.Module, channels: int, reach: int) -> list[int]:
     for m in dry.modules():
         hooks.append(m.register_forward_hook(seen))
     try:
-        dry(torch.empty(1, channels, reach, reach, reach, device="meta"))
+        dry(torch.empty(1, channels, *dims, device="meta"))
     except Exception as err:  # noqa: BLE001 - any failure means: ask the user for the probe
         raise ValueError(f"could not size a probe for {type(model).__name__} from a dry run on a "
-                         f"{reach}^3 volume ({type(err).__name__}: {err}); pass a probe shape "
+                         f"{'x'.join(map(str, dims))} volume ({type(err).__name__}: {err}); pass a probe shape "
                          "(N, C, D, H, W) that the network accepts") from err
-    return [2 ** math.ceil(math.log2(reach / s)) for s in smallest]
+    finally:
+        for h in hooks:
+            h.remove()
+    return [2 ** math.ceil(math.log2(n / s)) for n, s in zip(dims, smallest)]
 
 
-def probe_shape(model: nn.Module, grid: Grid, channels: int | None = None, reach: int = 256) -> tuple[int, ...]:
+def probe_shape(model: nn.Module, grid: Grid, channels: int | None = None,
+                reach: int | Sequence[int] = 256) -> tuple[int, ...]:
     """A small probe the network accepts: per dim, its total downsampling factor times
     the split (at least 2), so its deepest level still has a voxel per block; one row per
-    data group. The factor comes from a dry run on the meta device (no memory, no work)."""
+    data group. The factor comes from a dry run on the meta device (no memory, no work)
+    on a ``reach``-voxel cube, or on the volume ``reach`` (D, H, W) that the network was
+    built for."""
     channels = _in_channels(model) if channels is None else channels
     factors = _downsampling(model, channels, reach)
     return (grid.data_size, channels, *(max(f * max(2, s), 4) for f, s in zip(factors, grid.spatial)))
@@ -135,6 +143,12 @@ class _Recorder(TorchFunctionMode):
         return list(dict.fromkeys(reversed(seen)))
 
 
+def _flattens_volume(mod: nn.Module, inputs: Any) -> bool:
+    """Whether ``mod`` is a ``Flatten(1, -1)`` called on a 5-D tensor."""
+    return (isinstance(mod, nn.Flatten) and mod.start_dim == 1 and mod.end_dim == -1 and len(inputs) == 1
+            and isinstance(inputs[0], torch.Tensor) and inputs[0].dim() == 5)
+
+
 def _hook_all(model: nn.Module, calls: list, recorder: _Recorder | None = None) -> list:
     """Forward hooks that append (name, call number, cloned outputs, replicated flags)."""
     counts: dict[str, int] = {}
@@ -142,10 +156,14 @@ def _hook_all(model: nn.Module, calls: list, recorder: _Recorder | None = None) 
     for name, m in model.named_modules():
         label = name or "<model>"
 
-        def done(mod: nn.Module, _i: Any, out: Any, label: str = label) -> None:
+        def done(mod: nn.Module, inputs: Any, out: Any, label: str = label) -> None:
             k = counts.get(label, 0)
             counts[label] = k + 1
             leaves = _leaves(out)
+            if _flattens_volume(mod, inputs):
+                # A split Flatten hands its 5-D block to the Linear after it (partial products):
+                # compare the volume it flattens, which is its output in either model's layout.
+                leaves = [inputs[0]]
             calls.append(((label, k), type(mod).__name__, [t.detach().clone() for t in leaves],
                           [is_replicated(t) for t in leaves]))
             if recorder is not None:

@@ -59,6 +59,7 @@ TIERS = {
     "test_partition": "unit",
     "test_plan": "unit",
     "test_plan_auto": "launch",
+    "test_plan_layers": "unit",
     "test_predict": "launch",
     "test_prepare_cosmoflow": "unit",
     "test_prepare_unet3d": "unit",
@@ -73,6 +74,8 @@ TIERS = {
     "test_train_sweeps": "launch",
     "test_docs_commands": "launch",
     "test_train_state": "unit",
+    "test_user_model_config": "unit",
+    "test_user_models": "launch",
     "test_verify": "ranks",
     "test_watchdog": "unit",
 }

@@ -3,11 +3,10 @@ input gradient, every parameter gradient) at spatial 2x1x1, 1x2x2 and data 2 x s
 2x1x1; networks that cannot be split are refused by name; verification stops a network
 whose own forward resizes a split tensor. The three heaviest cases are marked slow."""
 
+import monai  # installed by the test set-up (the 'monai' extra, scripts/setup.sh): missing, this fails loudly
 import pytest
 
 import monai_cases as mc
-
-pytest.importorskip("monai", minversion="1.6")
 
 D2, S122 = (2, 1, 1), (1, 2, 2)
 slow = pytest.mark.slow
@@ -60,3 +59,8 @@ def test_dynunet_deep_supervision_on_uneven_blocks_is_stopped(pools):
 def test_segresnet_verifies_on_a_probe_sized_from_the_network(pools):
     reports = pools.run(2, mc.verify_passes, "SegResNet", spatial=D2, timeout=300)
     assert reports[0]["outputs"] < 1e-3 and reports[0]["gradients"] < 1e-3
+
+
+def test_monai_is_the_version_the_extra_pins():
+    major, minor = (int(v) for v in monai.__version__.split(".")[:2])
+    assert (major, minor) == (1, 6), monai.__version__  # pyproject.toml: monai>=1.6,<1.7

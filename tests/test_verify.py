@@ -45,3 +45,9 @@ def test_custom_forwards_lists_code_parallelize_cannot_see():
     assert custom_forwards(nn.Sequential(nn.Conv3d(1, 1, 3), nn.ReLU())) == []
     assert custom_forwards(vc.Net(vc.Up())) == ["Net", "middle"]
     assert torch.is_tensor(torch.zeros(1))
+
+
+@pytest.mark.parametrize("world,spatial", [(2, (2, 1, 1)), (4, (1, 2, 2))], ids=["D2", "H2W2"])
+def test_flatten_linear_head_on_the_split_volume_verifies(pools, world, spatial):
+    reports = pools.run(world, vc.cosmoflow_verifies, spatial=spatial)
+    assert all(r["outputs"] < 1e-4 and r["gradients"] < 1e-4 for r in reports), reports

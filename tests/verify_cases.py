@@ -109,3 +109,15 @@ def passes(grid: Grid, kind: str, probe: tuple[int, ...] | None) -> dict:
         if err > 1e-4:
             raise AssertionError(f"gradient of {name} after verification differs by {err:.2e}")
     return report
+
+
+def cosmoflow_verifies(grid: Grid) -> dict:
+    """CosmoFlow's Flatten + Linear head (partial products over the split volume) verifies:
+    the split Flatten's 5-D block is compared with the block of the volume it flattens."""
+    from cosmoflow.model import CosmoFlow, CosmoFlowConfig
+
+    torch.manual_seed(0)
+    model = CosmoFlow(CosmoFlowConfig(n_conv_blocks=2, conv_filters=2, dense_sizes=[4], dropout=0.0), (8, 8, 8))
+    serial = copy.deepcopy(model)
+    pmodel = parallel.parallelize(model, grid)
+    return verify(serial, pmodel, (grid.data_size, 4, 8, 8, 8))

@@ -14,7 +14,10 @@ the sample's stored bytes over the spatial size, times the local batch.
         --set model.n_conv_blocks=7 --batch 64 --alpha 5e-6 --bandwidth 25e9 --compute-scale 100
     python -m parallel.plan --model NAME --size 64 --devices 2 --batch 2   # this machine
 
-``--model`` names a family of ``configs/families.yaml`` (default: the first). A
+``--model`` names a family of ``configs/families.yaml`` (default: the first);
+``--set model._target_=pkg.Net model.<arg>=...`` plans any network on that family's
+samples, built as training builds it. Layers after a global pool are whole on every rank
+(``trace`` follows that through the forward) and cost as serial layers. A
 ``parallel.spatial=auto`` training config asks ``choose`` for the world size at hand
 (``parallel.train.autosplit``).
 

@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=names()[0], type=family_name,
                    help="model family (configs/families.yaml, or module:attr; default %(default)s)")
     p.add_argument("--size", type=int, nargs="+", default=[128], help="sample D H W (one number: a cube)")
-    p.add_argument("--set", nargs="*", default=[], help="model overrides, e.g. model.n_conv_blocks=7")
+    p.add_argument("--set", nargs="*", default=[], help="model overrides, e.g. model.n_conv_blocks=7; "
+                   "model._target_=pkg.Class plans that network (its keyword arguments as model.<name>=value)")
     p.add_argument("--devices", type=int, required=True)
     p.add_argument("--device-memory", default="inf", help="bytes per device, e.g. 80GB")
     p.add_argument("--batch", type=int, default=None, help="global batch (default: devices)")
@@ -60,7 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
     args = p.parse_args(argv)
     size = args.size * 3 if len(args.size) == 1 else args.size
-    model, in_shape, stored = build_model(args.model, size, args.set)
+    try:
+        model, in_shape, stored = build_model(args.model, size, args.set)
+    except ValueError as err:  # a model override that cannot build (model._target_=..., a bad key)
+        print(f"parallel.plan: {err}", file=sys.stderr)
+        return 2
     layers = trace(model, in_shape)
     try:
         m = Machine.load(args.calibration)

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from parallel.plan.local import local_ops, op_key
+from parallel.plan.local import LocalOp, local_ops, op_key
 from parallel.plan.machine import Machine
 from parallel.plan.trace import Layer
 
@@ -47,6 +47,24 @@ def _peak_activations(kept: list[float], working: list[float], blocks: list[int]
             before += through[i]
             peak = max(peak, before + working[i])
     return peak
+
+
+def _exchange_seconds(layer: Layer, op: LocalOp, spatial: Sequence[int], machine: Machine,
+                      bytes_per_voxel: float) -> float:
+    """Seconds of a resampling, padding or adaptive pooling layer's exchanges, forward and
+    backward: its halo faces along the split dims (a message each way), or for a global
+    pool the partial results of the line (one value per channel from every other rank)."""
+    t = 0.0
+    for a, parts in enumerate(spatial):
+        if parts == 1:
+            continue
+        if layer.kind == "gpool":
+            nbytes = layer.in_shape[0] * bytes_per_voxel
+            t += 2 * (parts - 1) * (machine.p2p_alpha + nbytes / machine.p2p_beta)
+        elif layer.halo and layer.halo[a] > 0:
+            face = math.prod(op.in_local) / op.in_local[a + 1] * layer.halo[a] * bytes_per_voxel
+            t += 2 * (2 * machine.p2p_alpha + 2 * face / machine.p2p_beta)
+    return t
 
 
 def predict(layers: list[Layer], machine: Machine, data: int, spatial: Sequence[int],
@@ -112,6 +130,10 @@ def predict(layers: list[Layer], machine: Machine, data: int, spatial: Sequence[
                 exposed += t
         elif known is None:
             compute += 3.0 * (in_bytes + out_bytes) / machine.mem_bandwidth
+        if split_layer and layer.kind in ("upsample", "pad", "pool", "gpool"):
+            t = _exchange_seconds(layer, op, spatial, machine, opts.act_bytes * batch)
+            comm += t
+            exposed += t
         if layer.kind == "norm" and split_layer:  # statistics: two all-reduces forward, two backward
             nbytes = 8.0 * layer.in_shape[0] * batch
             t = 4 * (2 * (s - 1) * machine.ar_alpha + 2 * (s - 1) / s * nbytes / machine.ar_beta)

@@ -23,9 +23,12 @@ def _local(shape: Sequence[int], spatial: Sequence[int]) -> list[int]:
 
 
 def valid(layers: list[Layer], spatial: Sequence[int]) -> bool:
-    """Every 5-D activation has at least one voxel per block along every split dim."""
+    """Every split 5-D activation has at least one voxel per block along every split dim
+    (those after a global pool are whole on every rank: they do not count)."""
     for layer in layers:
-        for shape in (layer.in_shape, layer.out_shape):
+        if layer.replicated:
+            continue
+        for shape in (layer.in_shape,) if layer.out_replicated else (layer.in_shape, layer.out_shape):
             if len(shape) == 4 and any(n < s for n, s in zip(shape[1:], spatial)):
                 return False
     return True
@@ -49,9 +52,10 @@ def local_ops(layers: list[Layer], spatial: Sequence[int]) -> list[LocalOp]:
     ops = []
     flat_local: tuple[int, ...] | None = None
     for i, layer in enumerate(layers):
-        five = len(layer.in_shape) == 4
+        five = len(layer.in_shape) == 4 and not layer.replicated  # a replicated layer runs whole
         in_local = tuple(_local(layer.in_shape, spatial)) if five else tuple(layer.in_shape)
-        out_local = tuple(_local(layer.out_shape, spatial)) if len(layer.out_shape) == 4 else tuple(layer.out_shape)
+        out_local = tuple(_local(layer.out_shape, spatial)) if len(layer.out_shape) == 4 and not \
+            layer.out_replicated else tuple(layer.out_shape)
         split = tuple(p > 1 for p in spatial) if five else (False, False, False)
         flat = False
         if five and len(layer.out_shape) == 1:  # Flatten: the next Linear multiplies the block

@@ -1,6 +1,7 @@
 """Models by family name, for the planner and the benchmarks: the family's network built
-from its default model config and ``model.*`` overrides, its input shape and the bytes a
-sample stores per voxel."""
+from its default model config and ``model.*`` overrides (or, with ``model._target_=...``,
+that network from the overrides alone), its input shape and the bytes a sample stores per
+voxel."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from torch import nn
 
 from parallel.data.format import SampleSpec
 from parallel.train.family import get, model_config
+from parallel.train.usermodel import input_channels, is_user_model
 
 
 def stored_bytes_per_voxel(spec: SampleSpec, input_field: str, in_channels: int) -> float:
@@ -33,4 +35,6 @@ def build_model(name: str, size: Sequence[int], overrides: Sequence[str] = (),
     in_channels = int(getattr(cfg, "in_channels", spec_channels))
     with torch.device(device):
         model = family.build_model(cfg, tuple(int(s) for s in size))  # type: ignore[arg-type]
+    if is_user_model(cfg):  # model._target_=...: its first layer says what it takes
+        in_channels = input_channels(model, spec_channels)
     return model, (in_channels, *size), stored_bytes_per_voxel(family.spec, family.input_field, in_channels)

@@ -9,8 +9,9 @@ the registry by name), ``preflight`` (checks and the sample facts, before traini
 process: start, watchdog, failure, exit codes), ``loop`` (the trainer's run), ``step``
 (one step and its non-finite guard), ``state`` (what a checkpoint holds),
 ``evaluate``, ``checkpoint`` (files), ``report`` (metrics.jsonl, TensorBoard, summary),
-``mlperf`` (the MLPerf log), ``autosplit`` (``parallel.spatial=auto``) and ``cli``
-(the Hydra entry point).
+``mlperf`` (the MLPerf log), ``autosplit`` (``parallel.spatial=auto``), ``usermodel``
+(any network as ``model._target_=...``), ``verification`` (``parallel.verify`` before the
+first step) and ``cli`` (the Hydra entry point).
 """
 
 from typing import Any

@@ -10,11 +10,15 @@ gives each job its own (``parallel.train.sweep``).
 
 Config errors, Hydra's own included (an unknown key, an ill-typed value), end the
 process with status 2 and one message, from rank 0 only (``docs/failures.md``).
+With ``model._target_=...`` on the command line the model section is that network's keyword
+arguments instead of the family's typed section (``parallel.train.usermodel``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,10 +29,13 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ValidationError
 
 from parallel.launch import env_rank
+from parallel.train import usermodel
 from parallel.train.config import UnknownKeyError, to_dataclass
 from parallel.train.family import CONFIG_ROOT, Family
 
 __all__ = ["CONFIG_ROOT", "load_job", "main", "register"]
+
+log = logging.getLogger("parallel.train")
 
 
 def register(family: Family, doc: str | None = None) -> str:
@@ -47,6 +54,10 @@ def main(family: Family, config_name: str = "default") -> Any:
     (one run, or each job of a sweep)."""
     from parallel.train import hydra_conf, sweep
 
+    user_model, argv, model_keys = usermodel.prepare_argv(sys.argv[1:])
+    if user_model:  # model._target_=...: the model section is that network's arguments
+        family = dataclasses.replace(family, config_class=usermodel.job_class(family.config_class))
+        sys.argv[1:] = argv
     register(family, hydra_conf.entry_doc())
     stderr = sys.stderr
     entered = False
@@ -62,6 +73,11 @@ def main(family: Family, config_name: str = "default") -> Any:
         if job_info is not None:
             sweep.submitit_env()
             sweep.adopt_run_dir(cfg, job_info)
+        if user_model:
+            dropped = usermodel.keep_command_line(cfg, model_keys)
+            if dropped and env_rank() == 0:
+                log.warning("model._target_=%s: the config file's model keys %s (the %s network's) are left out",
+                            cfg.model[usermodel.TARGET], ", ".join(dropped), family.name)
         try:
             job = to_dataclass(cfg, family.config_class)
         except (UnknownKeyError, ValidationError) as err:  # one clean line, like Hydra's own override errors
@@ -99,5 +115,8 @@ def load_job(run_dir: str | Path, family: Family) -> Any:
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: pass the run.dir of a training run")
-    schema = OmegaConf.structured(family.config_class)
-    return to_dataclass(OmegaConf.merge(schema, OmegaConf.load(path)), family.config_class)
+    saved = OmegaConf.load(path)
+    cls = family.config_class
+    if usermodel.is_user_model(saved.get("model")):  # trained with model._target_=...
+        cls = usermodel.job_class(cls)
+    return to_dataclass(OmegaConf.merge(OmegaConf.structured(cls), saved), cls)

@@ -151,6 +151,11 @@ class ParallelConfig:
     failure reported by any rank, stops every rank within about this long)."""
     backend: Optional[str] = None
     """torch.distributed backend (None: nccl on GPUs, gloo on CPUs)."""
+    verify: Any = "auto"
+    """Before the first step, check the split model against its serial self on a small probe
+    and stop (exit 2) naming the first module that differs (``parallel.verify``): ``auto``
+    when the model's own code runs in a forward (``custom_forwards``) or it is a
+    ``model._target_`` network, and only with a spatial split; ``true`` always; ``false`` never."""
 
 
 @dataclass

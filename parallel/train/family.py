@@ -41,7 +41,8 @@ class Family:
     config_class: type
     """The family's ``JobConfig`` subclass (its ``model`` section and defaults)."""
     build_model: Callable[[Any, tuple[int, int, int]], nn.Module]
-    """(model config, global sample volume (D, H, W)) -> the plain serial network."""
+    """(model config, global sample volume (D, H, W)) -> the plain serial network. A model
+    section with ``_target_`` builds that network instead, in every family."""
     spec: SampleSpec
     """The fields of the family's sample files (what ``prepare`` writes and training reads)."""
     input_field: str
@@ -87,6 +88,12 @@ class Family:
     (``data.crop``, ``parallel.data.crops.BalancedCrop``) choose from; None: crops are
     placed uniformly (``data.oversampling`` must then be 0)."""
 
+    def __post_init__(self) -> None:
+        # Every family also builds a network named by ``_target_`` (parallel.train.usermodel),
+        # so that the loop, the checks, the planner and the predict commands need not ask.
+        if not getattr(self.build_model, "takes_user_models", False):
+            object.__setattr__(self, "build_model", _or_user_model(self.build_model))
+
     def reached(self, value: float, target: float) -> bool:
         """Whether a metric value meets ``target``."""
         return value <= target if self.goal == "min" else value >= target
@@ -105,6 +112,19 @@ class Family:
         """How to write a data set to ``out`` (for error messages)."""
         command = self.prepare or "the family's prepare command"
         return f"`{command} synthetic --out {out}`"
+
+
+def _or_user_model(build: Callable[[Any, tuple[int, int, int]], nn.Module]
+                   ) -> Callable[[Any, tuple[int, int, int]], nn.Module]:
+    """``build``, except for a model section with ``_target_``: that network instead."""
+    from parallel.train.usermodel import build_user_model, is_user_model
+
+    def build_model(cfg: Any, volume: tuple[int, int, int]) -> nn.Module:
+        return build_user_model(cfg, volume) if is_user_model(cfg) else build(cfg, volume)
+
+    build_model.takes_user_models = True  # type: ignore[attr-defined]
+    build_model.__doc__ = build.__doc__
+    return build_model
 
 
 _REGISTRY: dict[str, Family] = {}
@@ -150,9 +170,14 @@ def get(name: str) -> Family:
 
 
 def model_config(family: Family, overrides: tuple[str, ...] | list[str] = ()) -> Any:
-    """The family's default model config with ``model.*`` dotlist overrides applied."""
+    """The family's default model config with ``model.*`` dotlist overrides applied (with
+    ``model._target_``: the overrides alone, the keyword arguments of that network)."""
     from omegaconf import OmegaConf
 
     over = OmegaConf.from_dotlist([o[len("model."):] for o in overrides if o.startswith("model.")])
+    from parallel.train.usermodel import is_user_model
+
+    if is_user_model(over):  # another network: its keyword arguments, not the family's section
+        return OmegaConf.to_container(over)
     node = OmegaConf.structured(family.config_class).model
     return OmegaConf.to_object(OmegaConf.merge(node, over))

@@ -23,7 +23,7 @@ from mlperf_logging.mllog import constants as C
 import parallel
 from parallel.grid import Grid
 from parallel.infer import evaluation_due
-from parallel.train import cases, checkpoint, preflight
+from parallel.train import cases, checkpoint, preflight, verification
 from parallel.train.config import JobConfig
 from parallel.train.data import build_data
 from parallel.train.evaluate import evaluate
@@ -73,9 +73,12 @@ class Trainer:
         self.ml.end(C.STAGING_STOP, staging_duration=self.data.staging_seconds)
         torch.manual_seed(cfg.train.seed)  # the same initial weights at every grid
         self.model = family.build_model(cfg.model, self.data.volume)
+        serial = verification.serial_copy(cfg, self.model, grid)  # before parallelize converts the model
         self.pmodel = parallel.parallelize(self.model, grid, seed=cfg.train.seed,
                                            overlap_halo=cfg.parallel.overlap_halo,
                                            recompute=cfg.train.activation_checkpointing)
+        verification.run(serial, self.pmodel, cfg, grid, self.data.volume, facts.channels)  # parallel.verify
+        del serial
         torch.manual_seed(cfg.train.seed + 7919 * (grid.rank + 1))  # per-rank dropout stream
         # weight decay only where the family's reference applies it (one group when there is none to apply)
         chosen = family.decayed is not None and not cfg.optim.decay_all and cfg.optim.weight_decay > 0

@@ -35,6 +35,7 @@ from parallel.grid import Grid
 from parallel.partition import DIM_NAMES, SplitError
 from parallel.train.config import JobConfig
 from parallel.train.family import Family
+from parallel.train.usermodel import check_user_model, is_user_model
 
 log = logging.getLogger("parallel.train")
 
@@ -77,6 +78,8 @@ def validate_config(cfg: JobConfig) -> None:
         (cfg.run.log_every >= 1, f"run.log_every={cfg.run.log_every}: want >= 1"),
         (cfg.run.checkpoint_every >= 0, f"run.checkpoint_every={cfg.run.checkpoint_every}: want >= 0"),
         (cfg.optim.lr > 0, f"optim.lr={cfg.optim.lr}: want > 0"),
+        (str(cfg.parallel.verify).lower() in ("auto", "true", "false"),
+         f"parallel.verify={cfg.parallel.verify}: want auto, true or false"),
     ]
     for ok, message in checks:
         if not ok:
@@ -302,6 +305,11 @@ def check_model(family: Family, model_cfg: Any, volume: Sequence[int], channels:
             model = family.build_model(model_cfg, tuple(int(v) for v in volume))
     except (ValueError, TypeError) as err:  # the model's own checks of its config against the volume
         raise InputError(f"{family.name} model: {err}") from err
+    if is_user_model(model_cfg):  # a network of the user's: does it fit the family's fields?
+        try:
+            check_user_model(model, family, model_cfg, volume, channels)
+        except ValueError as err:
+            raise InputError(str(err)) from err
     where = f"a volume of {list(volume)}"
     local_batch = None
     if train is not None:
@@ -330,9 +338,10 @@ def check_model(family: Family, model_cfg: Any, volume: Sequence[int], channels:
     if grid.spatial_size == 1:
         return
     for layer in layers:
-        if len(layer.in_shape) != 4 or len(layer.out_shape) != 4:
-            continue
+        if layer.replicated or len(layer.in_shape) != 4 or len(layer.out_shape) != 4:
+            continue  # after a global pool every rank holds the whole tensor
         n_in, n_out = layer.in_shape[1:], layer.out_shape[1:]
+        n_out = n_in if layer.out_replicated else n_out
         for axis, parts in enumerate(grid.spatial):
             if parts > 1 and min(n_in[axis], n_out[axis]) < parts:
                 raise InputError(

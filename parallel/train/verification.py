@@ -1,0 +1,133 @@
+"""``parallel.verify`` in the training loop: the split model against its serial self, once,
+before the first step.
+
+``serial_copy`` keeps a copy of the serial network before ``parallelize`` converts it
+(None when nothing is to be verified); ``run`` compares the two on a small probe
+(``parallel.verify``) and stops the job, on every rank alike, with ``SplitMismatch``
+(exit 2) naming the first module whose output differs and the likely cause.
+
+``parallel.verify=auto`` (the default) verifies when the grid splits samples in space and
+the network runs code ``parallelize`` cannot see (``custom_forwards``: any module whose
+``forward`` is not a ``torch.nn`` layer's) or is a ``model._target_`` network. The probe
+is sized from the network (its downsampling times the split); a network that accepts only
+its training volume (a ``Flatten`` + ``Linear`` head) is verified on one whole sample when
+that is at most ``PROBE_LIMIT`` voxels, and skipped with a message otherwise.
+``parallel.verify=true`` always verifies (on a whole sample if it must); ``false`` never.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from parallel.grid import Grid
+from parallel.parallelize import ParallelModule
+from parallel.train.preflight import InputError
+from parallel.train.usermodel import is_user_model
+from parallel.verify import VerificationError, custom_forwards, probe_shape, verify
+
+log = logging.getLogger("parallel.train")
+
+PROBE_LIMIT = 64**3
+"""Voxels of the largest whole sample ``auto`` verifies on (a serial forward and backward
+of it on every rank), when the network accepts no smaller probe."""
+
+OFF_HINT = ("parallel.verify=false trains it anyway, and then its numbers differ from the serial model's "
+            "(docs/parallel.md, 'Models you bring')")
+
+
+class SplitMismatch(InputError):
+    """The split model's numbers differ from the serial model's on the probe."""
+
+
+def mode(cfg: Any) -> str:
+    """``parallel.verify`` as ``auto``, ``true`` or ``false``."""
+    return str(cfg.parallel.verify).lower()
+
+
+def serial_copy(cfg: Any, model: nn.Module, grid: Grid) -> nn.Module | None:
+    """A copy of the serial ``model`` to verify against, or None when the job does not verify."""
+    how = mode(cfg)
+    if how == "false":
+        return None
+    if how == "auto":
+        if grid.spatial_size == 1:
+            return None  # nothing is split: the parallel model runs the serial layers
+        custom = custom_forwards(model)
+        if not custom and not is_user_model(cfg.model):
+            log.debug("parallel.verify=auto: only torch.nn layers and containers, nothing to verify")
+            return None
+    return copy.deepcopy(model)
+
+
+def _accepts(model: nn.Module, shape: Sequence[int]) -> bool:
+    """Whether the network runs on one sample of ``shape`` (a dry run on the meta device)."""
+    try:
+        with torch.no_grad():
+            copy.deepcopy(model).to("meta")(torch.empty(1, *shape[1:], device="meta"))
+    except Exception:  # noqa: BLE001 - any failure: not this probe
+        return False
+    return True
+
+
+def choose_probe(serial: nn.Module, grid: Grid, channels: int, volume: Sequence[int],
+                 whole_allowed: bool) -> tuple[tuple[int, ...] | None, str]:
+    """(the probe shape, how it was chosen) or (None, why there is none).
+
+    Sized from the network's downsampling (``parallel.verify.probe_shape``, dry runs on
+    the meta device); else one whole sample per data group when ``whole_allowed``.
+    """
+    whole = (grid.data_size, channels, *(int(v) for v in volume))
+    try:
+        small: tuple[int, ...] | None = probe_shape(serial, grid, channels, reach=tuple(volume))
+    except ValueError:
+        small = None
+    smaller = small is not None and math.prod(small[2:]) < math.prod(whole[2:])
+    if smaller and _accepts(serial, small):  # type: ignore[arg-type]
+        return small, "sized from the network"
+    if whole_allowed and _accepts(serial, whole):
+        why = "the network accepts no smaller probe" if smaller else \
+            "the network's downsampling times the split needs the whole volume"
+        return whole, f"one whole sample per data group: {why}"
+    return None, (f"the network accepts no probe smaller than its training volume {list(volume)}, and a serial "
+                  f"forward and backward of a whole sample on every rank is more than auto spends (over "
+                  f"{PROBE_LIMIT} voxels); parallel.verify=true verifies on one")
+
+
+def run(serial: nn.Module | None, pmodel: ParallelModule, cfg: Any, grid: Grid, volume: Sequence[int],
+        channels: int) -> dict[str, float] | None:
+    """Verify ``pmodel`` against ``serial`` (from ``serial_copy``; None: nothing to do).
+
+    Collective over the grid. Raises ``SplitMismatch`` (exit 2) where they differ;
+    returns the largest relative differences, or None when skipped.
+    """
+    if serial is None:
+        return None
+    how = mode(cfg)
+    whole_allowed = how == "true" or math.prod(int(v) for v in volume) <= PROBE_LIMIT
+    probe, chosen = choose_probe(serial, grid, channels, volume, whole_allowed)
+    if probe is None:
+        log.warning("parallel.verify=%s: skipped: %s", how, chosen)
+        return None
+    # TF32 products differ from float32 ones by ~1e-3 relative (docs/training.md); a split error is O(1)
+    rtol = 1e-2 if cfg.train.tf32 and grid.device.type == "cuda" else None
+    t0 = time.perf_counter()
+    try:
+        report = verify(serial, pmodel, probe, rtol=rtol, seed=cfg.train.seed)
+    except VerificationError as err:
+        failure = SplitMismatch(f"parallel.verify: {err} {OFF_HINT}.")
+        # a split forward that raised may have raised on some ranks only: each says so itself
+        failure.collective = not str(err).startswith("the split model failed")  # type: ignore[misc]
+        raise failure from None
+    except ValueError as err:  # the serial model rejected the probe on every rank alike
+        log.warning("parallel.verify=%s: skipped: %s", how, err)
+        return None
+    log.info("parallel.verify: checked before the first step on probe %s (%s) in %.2f s", list(probe), chosen,
+             time.perf_counter() - t0)
+    return report
