@@ -48,6 +48,8 @@ TIERS = {
     "test_launchers": "launch",
     "test_kfac": "unit",
     "test_kfac_grid": "ranks",
+    "test_kfac_loop": "unit",
+    "test_kfac_train": "launch",
     "test_layers": "ranks",
     "test_layers_resample": "ranks",
     "test_monai": "ranks",

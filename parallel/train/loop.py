@@ -66,11 +66,13 @@ class Trainer:
                                            overlap_halo=cfg.parallel.overlap_halo,
                                            recompute=cfg.train.activation_checkpointing)
         torch.manual_seed(cfg.train.seed + 7919 * (grid.rank + 1))  # per-rank dropout stream
-        self.optimizer = build_optimizer(self.pmodel.parameters(), cfg.optim)
+        scaler = torch.amp.GradScaler("cuda") if cfg.train.precision == "fp16" else None
+        # K-FAC hooks into the model and takes the scale of its captured gradients out
+        self.optimizer = build_optimizer(self.pmodel.parameters(), cfg.optim, model=self.pmodel, grid=grid,
+                                         grad_scaler=scaler)
         self.steps_per_epoch = len(self.data.train)
         self.schedule = Schedule(cfg.sched, cfg.optim, cfg.train.global_batch_size,
                                  self.steps_per_epoch, cfg.train.epochs)
-        scaler = torch.amp.GradScaler("cuda") if cfg.train.precision == "fp16" else None
         self.target = family.target if cfg.train.target is None else cfg.train.target
         meta = {"family": family.name, "volume": list(self.data.volume), "model": plain_config(cfg.model)}
         self.state = TrainState(self.model, self.optimizer, scaler, self.steps_per_epoch, meta)
