@@ -78,6 +78,7 @@ SLOW = {
     "test_cluster_scripts.py::test_documented_weak_scaling_submission",
     "test_fail_checkpoint.py::test_kill_during_checkpoint_write_then_resume",
     "test_fail_ranks.py::test_kill_one_of_four_ranks_stops_the_job",
+    "test_kfac_train.py::test_kfac_stopped_at_one_grid_resumes_at_another",
     "test_launchers.py::test_spatial_1x2x2_equals_plain_python_under_torchrun_mpirun_and_slurm",
     "test_predict.py::test_cosmoflow_predict_rows_equal_at_every_grid",
     "test_resume_grid.py::test_stop_at_one_grid_resume_at_others",
