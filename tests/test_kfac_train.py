@@ -1,7 +1,8 @@
 """K-FAC in the training loop (``optim.name=kfac``): a run killed with ``kill -9`` and
 resumed ends with the uninterrupted run's weights and K-FAC state; a run stopped at one
 grid continues the serial trajectory at another; the checkpoint loads with
-``weights_only=True`` and its MLPerf log says the open division."""
+``weights_only=True`` and its MLPerf log says the open division. And
+``scripts/benchmark.py step --optim kfac`` times each kind of K-FAC step against SGD."""
 
 from __future__ import annotations
 
@@ -114,3 +115,20 @@ def test_kfac_stopped_at_one_grid_resumes_at_another(data, tmp_path):
     expected, losses = _losses(whole), _losses(run)
     for step in range(4, 8):
         assert losses[step] == pytest.approx(expected[step], rel=RTOL), f"loss at step {step}"
+
+
+def test_benchmark_times_each_kind_of_kfac_step_against_sgd():
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark.py"), "step", "--optim", "kfac",
+                          "--models", "cosmoflow", "--size", "8", "--trials", "2", "--cosmoflow-set",
+                          "model.n_conv_blocks=2", "model.conv_filters=4", "--kfac", "factor_interval=2",
+                          "inverse_interval=4"], capture_output=True, text=True, timeout=400, check=True, cwd=REPO,
+                         env=env())
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    row, summary = rows[0], rows[-1]
+    med = row["measured_median_s"]
+    assert set(med) == {"sgd", "kfac_plain", "kfac_factor", "kfac_inverse"} and all(v > 0 for v in med.values())
+    plain, factor, inverse = med["kfac_plain"], med["kfac_factor"], med["kfac_inverse"]
+    assert row["kfac_average_step_s"] == pytest.approx(plain + (factor - plain) / 2 + (inverse - factor) / 4)
+    assert row["kfac_over_sgd"] == pytest.approx(row["kfac_average_step_s"] / med["sgd"])
+    assert row["layers_preconditioned"] == 5 and row["predicted_kfac_s"] > 0
+    assert row["predicted_kfac_over_sgd"] > 1 and summary["cosmoflow_kfac_over_sgd"] == row["kfac_over_sgd"]
