@@ -131,7 +131,10 @@ def test_plan_adds_kfac_work_and_memory_to_the_step():
     costs = kfac_costs(model, (8, 4, 64, 64, 64), cfg, spatial=(2, 1, 1), world_size=4)
     assert with_kfac["step_s"] == pytest.approx(plain["step_s"] + with_kfac["kfac_s"])
     assert with_kfac["memory_bytes"] == pytest.approx(plain["memory_bytes"] + costs.memory_bytes)
-    assert with_kfac["kfac_factor_s"] == pytest.approx(costs.factor_flops / 5 / m.default_conv_flops)
+    assert with_kfac["kfac_factor_s"] == pytest.approx(costs.factor_flops / 5 / m.default_conv_flops
+                                                       + 2 * costs.patch_bytes / 5 / m.mem_bandwidth)
+    # the first conv's patches: 4 samples a data group, half of 64^3 positions, 4 x 27 + 1 wide
+    assert costs.patch_bytes > 4 * 4 * 64**3 // 2 * 109
     assert with_kfac["kfac_inverse_s"] == pytest.approx(costs.inverse_flops / 20 / m.default_conv_flops)
     assert with_kfac["kfac_allreduce_s"] > 0 and with_kfac["kfac_broadcast_s"] > 0
     assert with_kfac["kfac_plain_layers"] == ["features.12", "head.1"]  # A 6913 and 8193 wide > 4096

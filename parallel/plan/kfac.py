@@ -4,7 +4,8 @@ The counts (``docs/kfac.md#costs-before-a-run``) are per factor update, per inve
 and per step; spread over their intervals they add to every step on average:
 
 - the Gram products of a factor update and the preconditioning products run at the
-  machine's dense throughput (``Machine.default_conv_flops``: both are matrix products);
+  machine's dense throughput (``Machine.default_conv_flops``: both are matrix products),
+  and the patches a factor update copies out (written, then read) at its memory bandwidth;
 - the eigendecompositions of the busiest rank at the same throughput (``torch.linalg.eigh``
   reaches a similar share of it on CPUs, less on GPUs: a lower bound there);
 - the factor all-reduce over the world (and the linear layers' rows over the spatial group)
@@ -49,7 +50,7 @@ class KFACPlan:
         rate = machine.default_conv_flops
         owners = min(world, 2 * len(c.layers))
         parts = {
-            "kfac_factor_s": per["factor_flops"] / rate,
+            "kfac_factor_s": per["factor_flops"] / rate + 2 * per["patch_bytes"] / machine.mem_bandwidth,
             "kfac_inverse_s": per["inverse_flops"] / rate,
             "kfac_precondition_s": per["precondition_flops"] / rate,
             "kfac_allreduce_s": (_allreduce_s(machine, world, c.factor_allreduce_bytes)
