@@ -96,11 +96,35 @@ def curve(run_dir: Path, metric: str) -> list[tuple[float, float, float]]:
     return [(r["epoch"], r["elapsed_s"], r[metric]) for r in rows if r["kind"] == "eval"]
 
 
+def throughput(run_dir: Path) -> float | None:
+    """Median training samples/s over a run's log windows (evaluations excluded)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rates = [r["samples_per_s"] for r in rows if r["kind"] == "train"]
+    return statistics.median(rates) if rates else None
+
+
 def first_reach(points: list[tuple[float, float, float]], goal: str, target: float) -> tuple[float, float] | None:
     """(epochs, seconds) of the first evaluation at the target, or None."""
     for epoch, secs, value in points:
         if (value <= target) if goal == "min" else (value >= target):
             return epoch, secs
+    return None
+
+
+def crossing(points: list[tuple[float, float, float]], target: float) -> float | None:
+    """Epochs at which the straight line between the last evaluation short of the target and
+    the first at it crosses the target (an estimate finer than the evaluation cadence)."""
+    prev = (0.0, None)
+    for epoch, _, value in points:
+        hit = value <= target if points[0][2] > target else value >= target
+        if hit:
+            if prev[1] is None:
+                return epoch
+            return prev[0] + (epoch - prev[0]) * (prev[1] - target) / (prev[1] - value)
+        prev = (epoch, value)
     return None
 
 
@@ -175,9 +199,10 @@ def report(args: argparse.Namespace) -> None:
     results = args.out / "results.jsonl"
     rows = [json.loads(l) for l in results.read_text().splitlines() if l.strip()] if results.is_file() else []
     rows = [r for r in rows if r.get("returncode") == 0]
-    print("| model | optimiser | seeds reaching target | epochs to target (median; each) | seconds to target "
-          "(median; each) | load avg (1 min) during |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| model | optimiser | seeds reaching target | epochs to target (median; each) | interpolated | metric at "
+          "the first evaluation | seconds to target (median; each) | train samples/s (median) | load avg (1 min) "
+          "before-after |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for model in TARGET:
         for variant in ("sgd", "kfac"):
             mine = sorted((r for r in rows if r["model"] == model and r["variant"] == variant),
@@ -188,9 +213,14 @@ def report(args: argparse.Namespace) -> None:
             ep = [r["epochs_to_target"] for r in hit]
             sec = [r["seconds_to_target"] for r in hit]
             loads = [f"{r['load_before'][0]:.1f}-{r['load_after'][0]:.1f}" for r in mine]
+            est = [c for c in (crossing(r["curve"], TARGET[model][2]) for r in hit) if c is not None]
+            first = [r["curve"][0][2] for r in mine if r["curve"]]
+            rates = [t for t in (throughput(args.out / "runs" / f"{model}-{variant}-{r['seed']}") for r in mine)
+                     if t is not None]
             print(f"| {model} | {variant} | {len(hit)}/{len(mine)} | {_median(ep)}; "
-                  f"{', '.join(f'{e:g}' for e in ep)} | {_median(sec)}; {', '.join(f'{s:.0f}' for s in sec)} "
-                  f"| {', '.join(loads)} |")
+                  f"{', '.join(f'{e:g}' for e in ep)} | {_median(est)}; {', '.join(f'{e:.2f}' for e in est)} | "
+                  f"{', '.join(f'{v:.3f}' for v in first)} | "
+                  f"{_median(sec)}; {', '.join(f'{s:.0f}' for s in sec)} | {_median(rates)} | {', '.join(loads)} |")
     sweep_path = args.out / "sweep.jsonl"
     if sweep_path.is_file():
         print("\n| model | candidate | settings | validation metric at the last epoch | epochs to target |")
