@@ -66,6 +66,10 @@ def step_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overlap", action="store_true", help="hide the halo exchanges behind the interior")
     p.add_argument("--spatial", default="2x1x1", help="the 2-way split (default along D, as the readers slab)")
     p.add_argument("--calibration", default=None, help="plan calibration (default: measure it now if missing)")
+    p.add_argument("--optim", choices=["sgd", "kfac"], default="sgd",
+                   help="kfac: time K-FAC's plain, factor-update and inverse-update steps against SGD's "
+                        "on the 2-way split instead (parallel/bench/kfac.py)")
+    p.add_argument("--kfac", nargs="*", default=[], metavar="KEY=VALUE", help="K-FAC settings (optim.kfac)")
 
 
 def _machine(args: argparse.Namespace, cases: list) -> Any:
@@ -88,6 +92,11 @@ def step(args: argparse.Namespace) -> Rows:
     from parallel.bench.step import step_times
     from parallel.plan import Options, build_model, predict, trace
 
+    if args.optim == "kfac":
+        from parallel.bench.kfac import kfac_step
+
+        yield from kfac_step(args)
+        return
     size = sizes(args.size)
     split = tuple(sizes(args.spatial))
     if math.prod(split) != 2:

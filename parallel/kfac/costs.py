@@ -8,6 +8,7 @@ and buffer layout as the optimiser:
   (upper triangles of every A and G, plus a count per layer); ``linear_allreduce_bytes``:
   payload of the spatial all-reduce of the linear layers' rows (0 when spatial is 1);
 - ``factor_flops``: Gram products on this rank per factor update (its block's patches);
+  ``patch_bytes``: the patches (and linear rows) those products copy out of the activations;
 - ``inverse_flops``: eigendecomposition flops (~9 d^3 each) of the busiest rank under the
   optimiser's assignment, and ``inverse_flops_total`` over all ranks; ``broadcast_bytes``:
   the eigenvectors and eigenvalues broadcast per inverse update;
@@ -45,6 +46,7 @@ class KFACCosts:
     factor_allreduce_bytes: float = 0.0
     linear_allreduce_bytes: float = 0.0
     factor_flops: float = 0.0
+    patch_bytes: float = 0.0
     inverse_flops: float = 0.0
     inverse_flops_total: float = 0.0
     broadcast_bytes: float = 0.0
@@ -55,7 +57,8 @@ class KFACCosts:
         """Average per optimiser step: interval work divided by its interval."""
         fi, ii = self.factor_interval, self.inverse_interval
         return {"allreduce_bytes": (self.factor_allreduce_bytes + self.linear_allreduce_bytes) / fi,
-                "factor_flops": self.factor_flops / fi, "inverse_flops": self.inverse_flops / ii,
+                "factor_flops": self.factor_flops / fi, "patch_bytes": self.patch_bytes / fi,
+                "inverse_flops": self.inverse_flops / ii,
                 "broadcast_bytes": self.broadcast_bytes / ii, "precondition_flops": self.precondition_flops}
 
 
@@ -121,11 +124,14 @@ def kfac_costs(model: nn.Module, input_shape: Sequence[int], cfg: KFACConfig | N
         if layer.kind == "conv":  # A over output patches, G over output positions: 1/S of them here
             positions = batch * math.prod(out_shape[1:]) / s
             flops = 2.0 * positions * (da * da + dg * dg)
+            out.patch_bytes += fbytes * positions * da
         elif layer.kind == "convT":  # both over input positions (adjoint view)
             positions = batch * math.prod(in_shape[1:]) / s
             flops = 2.0 * positions * (da * da + dg * dg)
+            out.patch_bytes += fbytes * positions * dg
         else:  # every rank forms the whole (replicated) Gram matrices of the batch rows
             flops = 2.0 * batch * (da * da + dg * dg)
+            out.patch_bytes += fbytes * batch * (da + dg)
             if s > 1:  # output gradients, and the features of a Flatten+Linear
                 features = da - (layer.bias is not None) if layer.name in flattened else 0
                 out.linear_allreduce_bytes += fbytes * batch * (dg + features)

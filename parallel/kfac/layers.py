@@ -100,6 +100,10 @@ def serial_type(module: nn.Module) -> str:
 def _dims(module: nn.Module) -> tuple[Kind, int, int] | str:
     """(kind, dim A, dim G), or why the layer is not preconditioned."""
     if isinstance(module, SpatialLinear):
+        if tuple(module.weight.shape) != (module.out_features, module.in_features):
+            # a rank holding only its columns: the factors and update need the whole weight
+            return (f"its weight is sharded over the spatial group ({tuple(module.weight.shape)} of "
+                    f"({module.out_features}, {module.in_features})); K-FAC needs the whole weight")
         return "flat", module.in_features + (module.bias is not None), module.out_features
     if isinstance(module, nn.Linear):
         return "linear", module.in_features + (module.bias is not None), module.out_features

@@ -18,7 +18,7 @@ preconditioned gradients are scaled by the KL clip and SGD takes its step.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -40,19 +40,28 @@ class KFAC(torch.optim.SGD):
     state keys are the serial model's); ``grid`` is None for a single process. Every
     parameter of the model is optimised; layers not preconditioned take the plain update.
     ``grad_scaler``: the fp16 ``GradScaler`` whose scale the captured output gradients carry.
+    ``params``: the parameters or parameter groups to optimise (default: all the model's;
+    groups set their own ``weight_decay``, which SGD adds after the preconditioning); they
+    must hold the weight of every preconditioned layer.
     """
 
     def __init__(self, model: nn.Module, grid: Any = None, cfg: KFACConfig | None = None, *, lr: float,
                  momentum: float = 0.9, nesterov: bool = False, weight_decay: float = 0.0,
-                 grad_scaler: Any = None) -> None:
+                 grad_scaler: Any = None, params: Iterable[Any] | None = None) -> None:
         module = model.module if isinstance(model, ParallelModule) else model
-        super().__init__(module.parameters(), lr=lr, momentum=momentum,
+        super().__init__(module.parameters() if params is None else params, lr=lr, momentum=momentum,
                          nesterov=nesterov, weight_decay=weight_decay)
         self.cfg = cfg if cfg is not None else KFACConfig()
         self.cfg.validate()
         self.grid = grid
         self.grad_scaler = grad_scaler
         self.layers, skipped = find_layers(module, self.cfg)
+        optimised = {id(p) for group in self.param_groups for p in group["params"]}
+        missing = [layer.key for layer in self.layers if id(layer.weight) not in optimised]
+        if missing:
+            raise ValueError(f"K-FAC preconditions {', '.join(missing)}, but the parameters given to the "
+                             "optimiser do not include them: pass the model's parameters (or exclude those "
+                             "layers with kfac.exclude)")
         for name, why in skipped:
             log.info("kfac: layer '%s' takes the plain update (%s)", name, why)
         log.info("kfac: preconditioning %d layers: %s", len(self.layers),
@@ -72,6 +81,13 @@ class KFAC(torch.optim.SGD):
 
     def decomposes(self, step: int) -> bool:
         return step % self.cfg.inverse_interval == 0
+
+    def seek(self, step: int) -> None:
+        """Make the next step step ``step`` of the schedule (what it captures and decomposes);
+        drops what was captured so far. For benchmarks that time each kind of step."""
+        self.steps = step
+        self.recorder.clear()
+        self.recorder.arm(self.captures(step))
 
     # -- one step ----------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -58,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--io-bandwidth", type=float, default=None, help="storage bytes/s per rank")
     p.add_argument("--overlap", action="store_true", help="halo exchanges hidden behind the interior")
     p.add_argument("--recompute", action="store_true", help="activation checkpointing per block")
+    p.add_argument("--optim", choices=["sgd", "adamw", "kfac"], default="sgd",
+                   help="optimiser: its state in memory; kfac adds its factor, inverse and "
+                        "preconditioning work, all-reduces and memory (docs/kfac.md)")
+    p.add_argument("--kfac", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="K-FAC settings as in optim.kfac, e.g. factor_interval=5 damping=0.01")
     p.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
     args = p.parse_args(argv)
     size = args.size * 3 if len(args.size) == 1 else args.size
@@ -67,6 +72,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"parallel.plan: {err}", file=sys.stderr)
         return 2
     layers = trace(model, in_shape)
+    kfac = None
+    if args.optim == "kfac" or args.kfac:
+        from parallel.plan.kfac import KFACPlan, kfac_config
+
+        try:
+            kfac = KFACPlan(model, in_shape, kfac_config(args.kfac))
+        except ValueError as err:
+            print(f"parallel.plan: {err}", file=sys.stderr)
+            return 2
     try:
         m = Machine.load(args.calibration)
     except (OSError, ValueError) as err:
@@ -81,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.io_bandwidth is not None:
         m.io_bandwidth = args.io_bandwidth
     opts = Options(global_batch=args.batch or args.devices, stored_bytes_per_voxel=stored,
-                   overlap=args.overlap, recompute=args.recompute)
+                   overlap=args.overlap, recompute=args.recompute,
+                   optimizer_states=2 if args.optim == "adamw" else 1, kfac=kfac)
     rows = table(layers, m, args.devices, parse_bytes(args.device_memory), opts)
     if args.json:
         for r in rows:
@@ -96,4 +111,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['data']:>5} {'x'.join(map(str, r['spatial'])):>9} {r['step_s']:>9.3f} {r['compute_s']:>9.3f} "
               f"{r['exposed_comm_s'] + r['allreduce_s']:>8.3f} {r['memory_bytes'] / 2**30:>13.2f} "
               f"{r['read_bytes'] / 2**20:>14.1f}  {mark}")
+    if kfac is not None and rows:
+        _kfac_lines(next((r for r in rows if r["best"]), rows[0]), kfac.cfg)
     return 0
+
+
+def _kfac_lines(r: dict, cfg: object) -> None:
+    """K-FAC's share of one row's step (included in its step time and memory above)."""
+    print(f"K-FAC on {r['data']} x {'x'.join(map(str, r['spatial']))} (included above), per step on average: "
+          f"{r['kfac_s']:.3f} s = factors {r['kfac_factor_s']:.3f} + inverses {r['kfac_inverse_s']:.3f} + "
+          f"preconditioning {r['kfac_precondition_s']:.3f} + all-reduce {r['kfac_allreduce_s']:.3f} + "
+          f"broadcast {r['kfac_broadcast_s']:.3f}; memory {r['kfac_memory_bytes'] / 2**30:.2f} GiB per rank")
+    print(f"  factor update every {getattr(cfg, 'factor_interval')} steps: {r['kfac_factor_flops']:.3g} flops, "
+          f"{r['kfac_factor_allreduce_bytes'] / 2**20:.1f} MiB all-reduced; inverse update every "
+          f"{getattr(cfg, 'inverse_interval')} steps: {r['kfac_inverse_flops']:.3g} flops on the busiest rank")
+    plain = r["kfac_plain_layers"]
+    print(f"  {r['kfac_layers']} layers preconditioned; plain update: {', '.join(plain) if plain else 'none'}")

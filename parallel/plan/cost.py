@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from parallel.plan.local import LocalOp, local_ops, op_key
 from parallel.plan.machine import Machine
@@ -22,6 +22,7 @@ class Options:
     recompute: bool = False
     optimizer_states: int = 1             # momentum (SGD) 1, AdamW 2
     act_bytes: int = 4                    # fp32 activations
+    kfac: Any = None                      # a parallel.plan.kfac.KFACPlan: K-FAC's work and memory added
 
 
 def _peak_activations(kept: list[float], working: list[float], blocks: list[int], recompute: bool) -> float:
@@ -165,8 +166,11 @@ def predict(layers: list[Layer], machine: Machine, data: int, spatial: Sequence[
     optimizer = params * 4 * (3 + 2 * opts.optimizer_states) / machine.mem_bandwidth
     step = compute + exposed + allreduce + overhead + optimizer
     memory = machine.baseline_memory + params * 4 * (2 + opts.optimizer_states) + act
+    kfac = opts.kfac.predict(machine, data, spatial, opts.global_batch) if opts.kfac is not None else {}
+    step += kfac.get("kfac_s", 0.0)
+    memory += kfac.get("kfac_memory_bytes", 0.0)
     read = opts.stored_bytes_per_voxel * math.prod(layers[0].in_shape[1:]) / s * batch
-    return {"step_s": step, "compute_s": compute, "halo_s": comm, "exposed_comm_s": exposed,
+    return {**kfac, "step_s": step, "compute_s": compute, "halo_s": comm, "exposed_comm_s": exposed,
             "allreduce_s": allreduce, "overhead_s": overhead, "optimizer_s": optimizer, "memory_bytes": memory,
             "activation_bytes": act, "read_bytes": read, "io_s": read / machine.io_bandwidth,
             "measured_layers": measured / max(len(layers), 1)}

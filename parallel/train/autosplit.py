@@ -50,6 +50,10 @@ def auto_spatial(cfg: Any, family: Any, facts: SampleFacts, world_size: int | No
                         stored_bytes_per_voxel=facts.stored_bytes_per_voxel, overlap=cfg.parallel.overlap_halo,
                         recompute=cfg.train.activation_checkpointing,
                         optimizer_states=2 if str(cfg.optim.name) == "adamw" else 1)
+    if str(cfg.optim.name) == "kfac":  # its factor work, all-reduces and memory count too
+        from parallel.plan.kfac import KFACPlan
+
+        opts.kfac = KFACPlan(model, (facts.channels, *facts.volume), cfg.optim.kfac)
     calibration = plan.default_calibration()
     if not calibration.is_file():
         log.warning(

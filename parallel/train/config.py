@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional
 
+from parallel.kfac.config import KFACConfig
+
 
 class Choice(str, Enum):
     """A config field with a fixed set of values (OmegaConf validates Enums, not Literals).
@@ -36,6 +38,7 @@ class Precision(Choice):
 class OptimName(Choice):
     sgd = "sgd"
     adamw = "adamw"
+    kfac = "kfac"
 
 
 class Decay(Choice):
@@ -205,7 +208,9 @@ class OptimConfig:
     """The optimiser."""
 
     name: OptimName = OptimName.sgd
-    """SGD with momentum (optionally Nesterov) or AdamW."""
+    """SGD with momentum (optionally Nesterov), AdamW, or K-FAC: SGD on gradients
+    preconditioned by Kronecker-factored curvature (settings in ``optim.kfac``;
+    ``docs/kfac.md``; MLPerf open division only)."""
     lr: float = 0.001
     """Base learning rate, before batch scaling and schedule."""
     lr_scale_batch: Optional[int] = None
@@ -227,6 +232,9 @@ class OptimConfig:
     decay_all: bool = False
     """Weight decay on every parameter; False: only on those the model family's reference
     decays (CosmoFlow: the two hidden dense weights), or all where the family names none."""
+    kfac: KFACConfig = field(default_factory=KFACConfig)
+    """K-FAC's settings (used with ``name=kfac``): damping, intervals, factor decay, KL
+    clip, layer choice, precisions (``parallel.kfac.KFACConfig``)."""
 
 
 @dataclass

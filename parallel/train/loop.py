@@ -80,15 +80,17 @@ class Trainer:
         verification.run(serial, self.pmodel, cfg, grid, self.data.volume, facts.channels)  # parallel.verify
         del serial
         torch.manual_seed(cfg.train.seed + 7919 * (grid.rank + 1))  # per-rank dropout stream
+        scaler = torch.amp.GradScaler("cuda") if cfg.train.precision == "fp16" else None
         # weight decay only where the family's reference applies it (one group when there is none to apply)
         chosen = family.decayed is not None and not cfg.optim.decay_all and cfg.optim.weight_decay > 0
         decayed = family.decayed(self.model) if chosen else None  # type: ignore[misc]
+        # K-FAC hooks into the model and takes the scale of its captured gradients out
         self.optimizer = build_optimizer(self.pmodel.named_parameters() if decayed is not None
-                                         else self.pmodel.parameters(), cfg.optim, decayed=decayed)
+                                         else self.pmodel.parameters(), cfg.optim, decayed=decayed,
+                                         model=self.pmodel, grid=grid, grad_scaler=scaler)
         self.steps_per_epoch = len(self.data.train)
         self.schedule = Schedule(cfg.sched, cfg.optim, cfg.train.global_batch_size,
                                  self.steps_per_epoch, cfg.train.epochs)
-        scaler = torch.amp.GradScaler("cuda") if cfg.train.precision == "fp16" else None
         self.target = family.target if cfg.train.target is None else cfg.train.target
         self.state = TrainState(self.model, self.optimizer, scaler, self.steps_per_epoch, meta)
         self.progress = self.state.progress

@@ -87,12 +87,16 @@ class KerasSGD(torch.optim.Optimizer):
 
 
 def build_optimizer(params: Iterable[Any], cfg: OptimConfig,
-                    decayed: Collection[str] | None = None) -> torch.optim.Optimizer:
-    """SGD (momentum, optional Nesterov, torch's or Keras' form) or AdamW, from ``optim``.
+                    decayed: Collection[str] | None = None, *, model: torch.nn.Module | None = None,
+                    grid: Any = None, grad_scaler: Any = None) -> torch.optim.Optimizer:
+    """SGD (momentum, optional Nesterov, torch's or Keras' form), AdamW or K-FAC, from ``optim``.
 
     ``params``: parameters, or ``(name, parameter)`` pairs (``model.named_parameters()``).
     ``decayed``: names of the only parameters that weight decay applies to (the MLPerf
     CosmoFlow reference decays the hidden dense layers' weights alone); None: all.
+    K-FAC (``optim.name=kfac``) also needs ``model`` (the ``ParallelModule`` or the serial
+    model: its hooks capture the factors), ``grid`` (None: one process) and the fp16
+    ``grad_scaler`` whose scale its captured gradients carry.
     """
     items = list(params)
     groups: list[dict[str, Any]] | list[torch.nn.Parameter]
@@ -116,12 +120,21 @@ def build_optimizer(params: Iterable[Any], cfg: OptimConfig,
                             weight_decay=cfg.weight_decay)
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
                                weight_decay=cfg.weight_decay)
+    if cfg.name == "kfac":
+        if model is None:
+            raise ValueError("optim.name=kfac needs the model: build_optimizer(..., model=pmodel, grid=grid)")
+        if cfg.momentum_form == "keras":
+            raise ValueError("optim.name=kfac takes torch's SGD step: set optim.momentum_form=torch")
+        from parallel.kfac import KFAC
+
+        return KFAC(model, grid, cfg.kfac, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
+                    weight_decay=cfg.weight_decay, grad_scaler=grad_scaler, params=groups)
     if cfg.name == "adamw":
         if len(cfg.betas) != 2:
             raise ValueError(f"optim.betas needs two values, got {list(cfg.betas)}")
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]), eps=cfg.eps,
                                  weight_decay=cfg.weight_decay)
-    raise ValueError(f"optim.name must be sgd or adamw, got {cfg.name!r}")
+    raise ValueError(f"optim.name must be sgd, adamw or kfac, got {cfg.name!r}")
 
 
 class Schedule:

@@ -92,6 +92,19 @@ def validate_config(cfg: JobConfig) -> None:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     cases.validate(cfg)
+    if str(cfg.optim.name) == "kfac":
+        _validate_kfac(cfg)
+
+
+def _validate_kfac(cfg: JobConfig) -> None:
+    """``optim.kfac``'s settings, and what K-FAC's base step (torch's SGD) cannot do."""
+    try:
+        cfg.optim.kfac.validate()
+    except ValueError as err:  # its messages name the field as kfac.<name>
+        raise ConfigError(f"optim.{err}") from None
+    if str(cfg.optim.momentum_form) == "keras":
+        raise ConfigError("optim.momentum_form=keras: optim.name=kfac takes torch's SGD step on the "
+                          "preconditioned gradients (b = m b + g; p -= lr b); set optim.momentum_form=torch")
 
 
 def check_world(spatial: Sequence[int], world_size: int) -> None:
