@@ -63,6 +63,7 @@ TIERS = {
     "test_prepare_unet3d": "unit",
     "test_resume_grid": "launch",
     "test_schedule_reference": "unit",
+    "test_shard": "ranks",
     "test_sliding_window": "ranks",
     "test_train_config": "unit",
     "test_train_equivalence": "launch",

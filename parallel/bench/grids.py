@@ -29,7 +29,8 @@ def layer_args(p: argparse.ArgumentParser) -> None:
 
 
 def layer(args: argparse.Namespace) -> Rows:
-    """Halo overhead: spatial conv fwd+bwd (overlapped and blocking) over the plain local conv."""
+    """Halo overhead: spatial conv fwd and bwd (blocking, overlapped, whole window) over the best
+    plain conv on the same block, and over the conv of a window cut beforehand."""
     from parallel.bench.layer import conv_overhead
     from parallel.bench.ranks import run_ranks
 
@@ -42,11 +43,15 @@ def layer(args: argparse.Namespace) -> Rows:
         row = {"kind": "layer", "spatial": spatial, "size": args.size, "channels": args.channels,
                "kernel": args.kernel, **r}
         yield row
-        # The default path (blocking) first; the overlapped one beside it.
-        summary[f"halo_overhead_{text}"] = r["overhead"]["blocking"]
-        summary[f"halo_overhead_overlap_{text}"] = r["overhead"]["overlap"]
-        summary[f"halo_overhead_vs_window_{text}"] = r["overhead_vs_window"]["blocking"]
-        summary[f"halo_overhead_vs_window_overlap_{text}"] = r["overhead_vs_window"]["overlap"]
+        # The fair ratio (fwd+bwd over the best plain conv on the block) of the default path
+        # first; forward and backward apart, the overlapped and whole-window paths beside it.
+        for v, key in (("blocking", ""), ("overlap", "_overlap"), ("window_exchange", "_window_exchange")):
+            summary[f"halo_fair{key}_{text}"] = r["fair"][v]["total"]
+            summary[f"halo_fair{key}_forward_{text}"] = r["fair"][v]["forward"]
+            summary[f"halo_fair{key}_backward_{text}"] = r["fair"][v]["backward"]
+            summary[f"halo_fair{key}_cpu_{text}"] = r["fair"][v]["cpu"]
+            summary[f"halo_vs_window{key}_{text}"] = r["vs_window"][v]["total"]
+        summary[f"halo_fair_best_{text}"] = min(r["fair"]["blocking"]["total"], r["fair"]["overlap"]["total"])
     summary["load_after"] = load()
     yield summary
 

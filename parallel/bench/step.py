@@ -28,12 +28,13 @@ class Stepper:
     """One model on one grid: ``step()`` runs forward, loss, backward and an SGD update."""
 
     def __init__(self, grid: Grid, name: str, size: Sequence[int], overrides: Sequence[str], batch: int,
-                 overlap: bool = False, recompute: bool = False, active: bool = True) -> None:
+                 overlap: bool | str = False, recompute: bool = False, active: bool = True) -> None:
         self.active = active
         if not active:
             return
         model, in_shape = make_model(name, size, overrides)
-        self.pmodel = parallel.parallelize(model, grid, overlap_halo=overlap, recompute=recompute)
+        self.pmodel = parallel.parallelize(model, grid, overlap_halo=overlap, recompute=recompute,
+                                           input_shape=in_shape)
         self.opt = torch.optim.SGD(self.pmodel.parameters(), lr=1e-4, momentum=0.9)
         gen = torch.Generator().manual_seed(1)
         x = torch.randn((batch, *in_shape), generator=gen)

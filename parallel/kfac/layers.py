@@ -99,6 +99,8 @@ def serial_type(module: nn.Module) -> str:
 
 def _dims(module: nn.Module) -> tuple[Kind, int, int] | str:
     """(kind, dim A, dim G), or why the layer is not preconditioned."""
+    if isinstance(module, SpatialLinear) and module.shard is not None:
+        return "its weight is sharded by block (parallelize's input_shape): no rank holds the whole gradient"
     if isinstance(module, SpatialLinear):
         return "flat", module.in_features + (module.bias is not None), module.out_features
     if isinstance(module, nn.Linear):

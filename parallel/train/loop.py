@@ -62,9 +62,13 @@ class Trainer:
         self.ml.end(C.STAGING_STOP, staging_duration=self.data.staging_seconds)
         torch.manual_seed(cfg.train.seed)  # the same initial weights at every grid
         self.model = family.build_model(cfg.model, self.data.volume)
+        # Flatten+Linear weights sharded by block, except under K-FAC, which preconditions the
+        # whole weight (a sharded one would take the plain update, unlike the serial run).
         self.pmodel = parallel.parallelize(self.model, grid, seed=cfg.train.seed,
                                            overlap_halo=cfg.parallel.overlap_halo,
-                                           recompute=cfg.train.activation_checkpointing)
+                                           recompute=cfg.train.activation_checkpointing,
+                                           input_shape=(facts.channels, *self.data.volume),
+                                           shard_linear=str(cfg.optim.name) != "kfac")
         torch.manual_seed(cfg.train.seed + 7919 * (grid.rank + 1))  # per-rank dropout stream
         self.optimizer = build_optimizer(self.pmodel.parameters(), cfg.optim)
         self.steps_per_epoch = len(self.data.train)
