@@ -104,21 +104,55 @@ def _materialize(module: nn.Module) -> nn.Module:
     return m.train()
 
 
+def _shell_call(m: nn.Conv3d, op: LocalOp) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A split conv's local arithmetic (``parallel.layers.shellconv``): the block convolved
+    zero-padded, plus one halo piece per split dim (the lower ranks' one neighbour) through
+    the taps that reach it, added into the rows it feeds."""
+    pads = tuple(m.padding) if not isinstance(m.padding, str) else tuple(
+        m.dilation[a] * (m.kernel_size[a] - 1) // 2 for a in range(3))
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        y = conv3d(x, m.weight, m.bias, m.stride, pads, m.dilation, m.groups)
+        for a in range(3):
+            h = pads[a]
+            if not op.split[a] or h == 0:
+                continue
+            taps = min(m.kernel_size[a], -(-h // m.dilation[a]))
+            rows = -(-h // m.stride[a])
+            shape = list(x.shape)
+            shape[a + 2] = (rows - 1) * m.stride[a] + (taps - 1) * m.dilation[a] + 1
+            piece = torch.randn(shape)
+            cpads = list(pads)
+            cpads[a] = 0
+            part = conv3d(piece, m.weight.narrow(a + 2, 0, taps), None, m.stride, cpads, m.dilation, m.groups)
+            y = _AddRows.apply(y, part, a + 2)
+        return y
+    return run
+
+
+class _AddRows(torch.autograd.Function):
+    """``y[first rows along dim] += part`` in place, as the shell convolution adds a piece."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, part: torch.Tensor, dim: int) -> torch.Tensor:
+        ctx.dim, ctx.rows = dim, part.shape[dim]
+        y.narrow(dim, 0, part.shape[dim]).add_(part)
+        ctx.mark_dirty(y)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return grad, grad.narrow(ctx.dim, 0, ctx.rows), None
+
+
 def _local_call(layer: Layer, op: LocalOp, batch: int) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]:
     """The computation a rank runs for ``layer`` on its block (no communication), and its
-    input: a split conv convolves a window (block plus halos) unpadded along split dims; a
-    split norm takes the framework's two-pass statistics; the rest run the torch layer."""
+    input: a split conv convolves its block and adds the halo pieces' parts; a split norm
+    takes the framework's two-pass statistics; the rest run the torch layer."""
     m = _materialize(layer.module)  # type: ignore[arg-type]
     shape = [batch, *op.in_local]
     if isinstance(m, nn.Conv3d) and any(op.split):
-        pads = list(m.padding) if not isinstance(m.padding, str) else [0, 0, 0]
-        for a in range(3):
-            if op.split[a]:
-                span = m.dilation[a] * (m.kernel_size[a] - 1) + 1
-                shape[a + 2] = (op.out_local[a + 1] - 1) * m.stride[a] + span
-                pads[a] = 0
-        return (lambda x: conv3d(x, m.weight, m.bias, m.stride, tuple(pads), m.dilation, m.groups)), \
-            torch.randn(shape)
+        return _shell_call(m, op), torch.randn(shape)
     if isinstance(m, (nn.BatchNorm3d, nn.InstanceNorm3d, nn.GroupNorm)) and any(op.split):
         from parallel.layers import norm
         from parallel.layers.base import convert
