@@ -55,7 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--alpha", type=float, default=None, help="network latency, seconds per message")
     p.add_argument("--bandwidth", type=float, default=None, help="network bytes/s per link")
     p.add_argument("--io-bandwidth", type=float, default=None, help="storage bytes/s per rank")
-    p.add_argument("--overlap", action="store_true", help="halo exchanges hidden behind the interior")
+    p.add_argument("--generic", choices=("cpu", "gpu"), default=None,
+                   help="use the built-in figures of this kind of machine instead of a calibration")
+    p.add_argument("--node-ranks", type=int, default=1,
+                   help="ranks sharing one machine's cores (CPU ranks per node; 1: one GPU per rank)")
+    p.add_argument("--overlap", action="store_true", help="halo exchanges beside the block's convolution")
+    p.add_argument("--overlap-auto", action="store_true", help="overlapped per layer where it pays (as "
+                                                                 "parallel.overlap_halo=auto)")
     p.add_argument("--recompute", action="store_true", help="activation checkpointing per block")
     p.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
     args = p.parse_args(argv)
@@ -63,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     model, in_shape, stored = build_model(args.model, size, args.set)
     layers = trace(model, in_shape)
     try:
-        m = Machine.load(args.calibration)
+        m = Machine.generic_machine(args.generic) if args.generic else Machine.load(args.calibration)
     except (OSError, ValueError) as err:
         print(f"parallel.plan: {err}", file=sys.stderr)
         return 2
@@ -76,12 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.io_bandwidth is not None:
         m.io_bandwidth = args.io_bandwidth
     opts = Options(global_batch=args.batch or args.devices, stored_bytes_per_voxel=stored,
-                   overlap=args.overlap, recompute=args.recompute)
+                   overlap="auto" if args.overlap_auto else args.overlap, recompute=args.recompute,
+                   node_ranks=args.node_ranks)
     rows = table(layers, m, args.devices, parse_bytes(args.device_memory), opts)
     if args.json:
         for r in rows:
-            print(json.dumps(r))
+            print(json.dumps({**r, "machine": m.label, "generic": m.generic}))
         return 0
+    print(f"machine: {m.label}")
     print(f"{args.model} {'x'.join(map(str, size))}, {args.devices} devices, global batch {opts.global_batch}, "
           f"memory limit {args.device_memory} per device")
     print(f"{'data':>5} {'spatial':>9} {'step s':>9} {'compute':>9} {'comm':>8} {'mem/rank GiB':>13} "
