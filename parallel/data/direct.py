@@ -21,7 +21,7 @@ from typing import Sequence
 import h5py
 import numpy as np
 
-MIN_RUN_BYTES = 16 << 10   # shorter runs are gathered through the staging buffer (fewer, larger reads)
+MIN_RUN_BYTES = 16 << 10
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
 
 
