@@ -3,6 +3,9 @@
 Every parameter gradient on every rank is a partial sum (see ``parallel.comm``), so the
 serial gradient of the mean over data groups of their losses is one sum over the spatial
 group and a mean over the data group: a sum over all ranks divided by the data size.
+A parameter sharded over the spatial group (``spatial_shard``: a Flatten+Linear weight's
+block columns, ``parallel.layers.linear``) holds a complete gradient for its shard: it is
+only averaged over the data group, in buckets of its own.
 Gradients are packed into buckets in reverse registration order (roughly the order the
 backward produces them); a bucket's all-reduce starts as soon as its last gradient is
 accumulated, in bucket order on every rank, and runs while the backward goes on. The
@@ -30,20 +33,27 @@ log = logging.getLogger("parallel")
 class GradSync:
     """Hooks that all-reduce gradients of ``module`` over ``group`` during the backward."""
 
-    def __init__(self, module: nn.Module, group: Any, data_size: int, bucket_mb: float = 25.0) -> None:
+    def __init__(self, module: nn.Module, group: Any, data_size: int, bucket_mb: float = 25.0,
+                 shard_group: Any = None) -> None:
+        """``group``: every rank (the sum over space, the mean over data); ``shard_group``: the
+        data group, for spatially sharded parameters (None: no data parallelism, no sync)."""
         self.group = group
         self.scale = 1.0 / data_size
         self.enabled = True
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.names = {id(p): n for n, p in named}
         self.buckets: list[list[nn.Parameter]] = []
+        self.groups: list[Any] = []
         limit = bucket_mb * 2**20
         size = 0.0
         for _, p in reversed(named):
+            sharded = bool(getattr(p, "spatial_shard", False))
             start_new = not self.buckets or size + p.numel() * p.element_size() > limit or \
-                self.buckets[-1][0].dtype != p.dtype or self.buckets[-1][0].device != p.device
+                self.buckets[-1][0].dtype != p.dtype or self.buckets[-1][0].device != p.device or \
+                bool(getattr(self.buckets[-1][0], "spatial_shard", False)) != sharded
             if start_new:
                 self.buckets.append([])
+                self.groups.append(shard_group if sharded else group)
                 size = 0.0
             self.buckets[-1].append(p)
             size += p.numel() * p.element_size()
@@ -125,12 +135,13 @@ class GradSync:
         in_place = self._in_place(i)
         # Gradients replaced since the forward (set by hand, or no prepare()): a packed copy.
         flat = self.flats[i] if in_place else torch.cat([p.grad.reshape(-1) for p in bucket])  # type: ignore[union-attr]
-        work = comm.all_reduce_async(flat, self.group)
+        work = comm.all_reduce_async(flat, self.groups[i]) if self.groups[i] is not None else None
         self.works.append((work, flat, bucket, in_place))
 
     def _finish(self) -> None:
         for work, flat, bucket, in_place in self.works:
-            work.wait()
+            if work is not None:
+                work.wait()
             flat.mul_(self.scale)
             if in_place:
                 continue

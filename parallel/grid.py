@@ -48,6 +48,7 @@ class Grid:
     data_group: Any = None
     world_group: Any = None
     grad_group: Any = None
+    grad_data_group: Any = None   # the data group again, for sharded parameters' gradient averages
     launcher: str = "single"
     # Facts gathered once at start-up (``parallel.init``), so nothing later guesses them
     # from launcher variables: the node of every rank, the rendezvous store (the
@@ -194,6 +195,7 @@ class Grid:
         # Gradient all-reduces run asynchronously during the backward, beside the halo
         # exchanges and norm reductions: a group of their own keeps their order apart.
         grid.grad_group = dist.new_group(list(range(w)))
+        grid.grad_data_group = _subgroup(data_lists, grid.rank)
         return grid
 
 

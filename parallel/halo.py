@@ -14,7 +14,7 @@ outputs into their owners, which is what a transposed convolution needs.
 ``fetch_all``/``reduce_all`` run several dims' plans in a row without autograd, and
 ``in_background`` starts such a chain (a helper thread on CPUs, a side stream on GPUs),
 so a layer can compute what needs no halo while the messages travel
-(``parallel.layers.overlap``).
+(``parallel.layers.shellconv``, which exchanges only the halo shell: ``parallel.shell``).
 
 Messages go through ``parallel.comm.exchange``: one batched call per dim, one message
 per peer and direction, every request waited for.
@@ -223,28 +223,38 @@ os.register_at_fork(after_in_child=_forget_executor)
 class _Done:
     """A chain that already ran (devices other than the CPU and CUDA)."""
 
-    def __init__(self, value: torch.Tensor) -> None:
+    def __init__(self, value: Any) -> None:
         self.value = value
 
-    def result(self) -> torch.Tensor:
+    def result(self) -> Any:
         return self.value
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors in ``obj`` (a tensor, or lists/tuples of them, nested)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors(o)]
+    return []
 
 
 class _OnSideStream:
     """A chain queued on a CUDA side stream; ``result`` makes the caller's stream wait for it."""
 
-    def __init__(self, value: torch.Tensor, side: Any, main: Any) -> None:
+    def __init__(self, value: Any, side: Any, main: Any) -> None:
         self.value, self.side, self.main = value, side, main
 
-    def result(self) -> torch.Tensor:
+    def result(self) -> Any:
         self.main.wait_stream(self.side)
-        # Made on the side stream, used on the caller's: its memory must not be reused
+        # Made on the side stream, used on the caller's: their memory must not be reused
         # before the caller's stream is done with it.
-        self.value.record_stream(self.main)
+        for t in _tensors(self.value):
+            t.record_stream(self.main)
         return self.value
 
 
-def in_background(fn: Callable[..., torch.Tensor], *args: Any) -> Any:
+def in_background(fn: Callable[..., Any], *args: Any) -> Any:
     """Start ``fn(*args)`` (an exchange chain such as ``fetch_all``) so that the caller can
     compute meanwhile; returns an object whose ``result()`` waits for it.
 
@@ -259,7 +269,7 @@ def in_background(fn: Callable[..., torch.Tensor], *args: Any) -> Any:
     The caller must wait for the result before it starts any other exchange: messages
     between two ranks are matched in the order they are posted.
     """
-    x = next(a for a in args if isinstance(a, torch.Tensor))
+    x = _tensors(args)[0]
     if x.device.type == "cuda":
         main = torch.cuda.current_stream(x.device)
         side = _side_streams.get(x.device.index)
@@ -268,9 +278,8 @@ def in_background(fn: Callable[..., torch.Tensor], *args: Any) -> Any:
         side.wait_stream(main)  # the inputs are complete on the caller's stream
         with torch.cuda.stream(side):
             value = fn(*args)
-        for a in args:  # made on the caller's stream, read on the side stream
-            if isinstance(a, torch.Tensor):
-                a.record_stream(side)
+        for a in _tensors(args):  # made on the caller's stream, read on the side stream
+            a.record_stream(side)
         return _OnSideStream(value, side, main)
     if x.device.type != "cpu":
         return _Done(fn(*args))

@@ -125,8 +125,10 @@ def _convert_children(parent: nn.Module, prefix: str, grid: Grid, shapes: ShapeT
                 flat.feeds_linear = False  # fine after a global pool; refused at run time on a split block
                 continue
             lin_name = children[i + 1][0]
-            setattr(parent, lin_name, convert(nxt, SpatialLinear, grid, shapes, f"{prefix}{lin_name}"))
-            children[i + 1] = (lin_name, getattr(parent, lin_name))
+            lin = convert(nxt, SpatialLinear, grid, shapes, f"{prefix}{lin_name}")
+            lin.flatten_name = full
+            setattr(parent, lin_name, lin)
+            children[i + 1] = (lin_name, lin)
             continue
         if isinstance(child, SpatialLinear):
             continue
@@ -159,6 +161,60 @@ def _seed_dropout(module: nn.Module, grid: Grid, seed: int | None) -> None:
         layer.seed(group_seed, rank_seed, grid.device)
 
 
+def flatten_inputs(model: nn.Module, input_shape: Sequence[int]) -> dict[str, tuple[int, ...]]:
+    """The per-sample input shape of every ``nn.Flatten`` of the serial ``model`` for a
+    sample of ``input_shape`` (C, D, H, W), from a forward on the meta device (no memory,
+    no compute, the model's own tensors untouched); empty where the model cannot run there."""
+    from torch.func import functional_call
+
+    found: dict[str, tuple[int, ...]] = {}
+
+    def record(name: str) -> Any:
+        def hook(module: nn.Module, inputs: tuple, output: Any) -> None:
+            found.setdefault(name, tuple(inputs[0].shape[1:]))
+        return hook
+
+    hooks = [m.register_forward_hook(record(name)) for name, m in model.named_modules() if isinstance(m, nn.Flatten)]
+    if not hooks:
+        return found
+    meta = {k: torch.empty_like(v, device="meta") for k, v in (*model.named_parameters(), *model.named_buffers())}
+    dtype = next((v.dtype for v in meta.values() if v.is_floating_point()), torch.float32)
+    try:
+        with torch.no_grad():
+            functional_call(model, meta, (torch.empty((1, *input_shape), device="meta", dtype=dtype),))
+    except Exception as err:  # noqa: BLE001 - a model that needs real tensors: its Linear stays whole
+        log.info("Linear weights stay whole: the model does not run on the meta device (%s: %s)",
+                 type(err).__name__, err)
+        found.clear()
+    finally:
+        for h in hooks:
+            h.remove()
+    return found
+
+
+def _shard_linears(model: nn.Module, grid: Grid, flat: Mapping[str, tuple[int, ...]]) -> None:
+    """Shard each Flatten+Linear weight whose volume is split (not after a global pool)."""
+    for name, m in model.named_modules():
+        shape = flat.get(m.flatten_name) if isinstance(m, SpatialLinear) else None
+        if shape is None or len(shape) != 4:
+            continue
+        if any(n < s for n, s in zip(shape[1:], grid.spatial)):  # replicated (a global pool's output)
+            continue
+        m.shard_weight(shape[0], tuple(shape[1:]))  # type: ignore[arg-type]
+        log.debug("%s: weight sharded by block, %d of %d columns", name, m.weight.shape[1], m.in_features)
+
+
+def _cost_model() -> Any:
+    """The machine figures ``overlap_halo="auto"`` decides with (the calibration, else generic)."""
+    from parallel.plan.machine import Machine
+
+    try:
+        return Machine.load(None)
+    except (OSError, ValueError) as err:
+        log.warning("overlap_halo=auto: %s; using the generic machine figures", err)
+        return Machine()
+
+
 def _first_volume(args: tuple, kwargs: Mapping[str, Any]) -> torch.Tensor | None:
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor) and value.dim() == 5:
@@ -176,7 +232,9 @@ class ParallelModule(nn.Module):
         self.module = module
         self.grid = grid
         self.shapes = shapes
-        self.sync = GradSync(module, grid.grad_group, grid.data_size, bucket_mb) if grid.world_size > 1 else None
+        data_grads = (getattr(grid, "grad_data_group", None) or grid.data_group) if grid.data_size > 1 else None
+        self.sync = GradSync(module, grid.grad_group, grid.data_size, bucket_mb, data_grads) \
+            if grid.world_size > 1 else None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.sync is not None and torch.is_grad_enabled():
@@ -207,7 +265,9 @@ class ParallelModule(nn.Module):
         with self.sync.no_sync():
             yield
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # serial keys
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The serial model's keys and tensors. A sharded Linear weight is gathered whole: a
+        collective over the spatial group, so every rank of the group must call it."""
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
@@ -215,16 +275,23 @@ class ParallelModule(nn.Module):
 
 
 def parallelize(model: nn.Module, grid: Grid, *, sync_batchnorm: bool = False,
-                bucket_mb: float = 25.0, seed: int | None = None, overlap_halo: bool | None = None,
-                recompute: bool = False, verify: Probe = None) -> ParallelModule:
+                bucket_mb: float = 25.0, seed: int | None = None, overlap_halo: bool | str | None = None,
+                recompute: bool = False, verify: Probe = None, input_shape: Sequence[int] | None = None,
+                shard_linear: bool = True) -> ParallelModule:
     """The hybrid-parallel form of ``model`` for ``grid`` (layers converted in place).
 
     ``sync_batchnorm`` makes BatchNorm statistics span the data groups too (the global
     batch); otherwise each data group normalises its own rows, as under DDP. ``seed``
     seeds the dropout streams (default: torch's initial seed on the spatial root).
-    ``overlap_halo`` hides convolutions' halo exchanges behind their interiors (None: the
-    layer's default, off: on CPUs it costs more than the exchange it hides,
-    ``docs/performance.md``);
+    ``overlap_halo`` runs convolutions' halo exchanges beside their block's convolution:
+    True, False (the layer's default, None, is off), or ``"auto"``: per layer, where the
+    calibration (``parallel.plan.Machine``: ``scripts/benchmark.py calibrate``, else
+    generic figures) says its messages take longer than handing them to the halo thread
+    (``docs/performance.md``);
+    ``input_shape`` (one sample's (C, D, H, W)) lets Flatten+Linear layers keep only their
+    block's columns of the weight (``shard_linear``, ``parallel.layers.linear``): the
+    weight, gradient and optimiser state per rank fall by the split, and ``state_dict``
+    gathers the whole weight (a collective over the spatial group);
     ``recompute`` keeps only each block's input and recomputes the block in the backward
     (``parallel.recompute``): less memory, about one more forward of time.
     ``verify`` (a probe: True for one sized from the network, a shape (N, C, D, H, W), or a
@@ -235,6 +302,8 @@ def parallelize(model: nn.Module, grid: Grid, *, sync_batchnorm: bool = False,
     model.to(grid.device)
     serial = _serial_copy(model) if verify is not None and verify is not False else None
     shapes = ShapeTracker(grid)
+    flat = flatten_inputs(model, input_shape) if input_shape is not None and shard_linear and \
+        grid.spatial_size > 1 else {}
     if grid.spatial_size > 1 or sync_batchnorm:
         if grid.spatial_size > 1:
             _check_supported(type(model).__name__, model)
@@ -246,9 +315,11 @@ def parallelize(model: nn.Module, grid: Grid, *, sync_batchnorm: bool = False,
                 model.sync_data = sync_batchnorm
         _convert_children(model, "", grid, shapes, sync_batchnorm)
         _seed_dropout(model, grid, seed)
+        machine = _cost_model() if overlap_halo == "auto" else None
         for m in model.modules():
             if isinstance(m, SpatialConv3d) and overlap_halo is not None:
                 m.overlap = overlap_halo
+                m.cost_model = machine
     if recompute:
         n_blocks = checkpoint_blocks(model)
         log.debug("recomputing %d blocks in the backward", n_blocks)
@@ -256,6 +327,10 @@ def parallelize(model: nn.Module, grid: Grid, *, sync_batchnorm: bool = False,
         # Start every replica from the same weights, as DDP does.
         for tensor in list(model.parameters()) + list(model.buffers()):
             comm.broadcast_(tensor.data, 0, grid.world_group)
+    if overlap_halo is not None and not isinstance(overlap_halo, bool) and overlap_halo != "auto":
+        raise ValueError(f"overlap_halo must be True, False or 'auto', got {overlap_halo!r}")
+    if flat:  # after the broadcast: every rank cuts its columns of the same weight
+        _shard_linears(model, grid, flat)
     log.debug("parallelised %s over %s", type(model).__name__, grid.describe())
     pmodel = ParallelModule(model, grid, shapes, bucket_mb)
     if serial is not None:

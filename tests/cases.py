@@ -19,6 +19,8 @@ from parallel.grid import Grid
 # fp32 sums taken in another order differ by a few ulps of the largest term: 1e-5 of the
 # largest reference value bounds that with a wide margin at these sizes.
 RTOL = 1e-5
+# float64: the same sums in another order differ by ~1e-16 of the largest term per addition.
+RTOL64 = 1e-12
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: float = RTOL) -> float:
@@ -39,29 +41,33 @@ def _local_target(target: torch.Tensor, grid: Grid) -> torch.Tensor:
 
 
 def check_module(grid: Grid, build: Callable[[], nn.Module], shape: tuple[int, ...], seed: int = 0,
-                 sync_batchnorm: bool = False, eval_after: bool = False, steps: int = 1) -> dict[str, Any]:
+                 sync_batchnorm: bool = False, eval_after: bool = False, steps: int = 1,
+                 dtype: torch.dtype = torch.float32, overlap: bool | None = None) -> dict[str, Any]:
     """Parallel vs serial: outputs, input gradients, parameter gradients, buffers.
 
     The serial reference of data group ``d`` is the serial module applied to that group's
     rows (BatchNorm statistics per group), unless ``sync_batchnorm``; the parameter
-    gradient is the mean over data groups of their gradients.
+    gradient is the mean over data groups of their gradients. In float64 the tolerance is
+    ``RTOL64`` (sums in another order); ``overlap`` is ``parallelize``'s ``overlap_halo``.
     """
     torch.manual_seed(seed)
-    serial = build().to(grid.device)  # the grid's device: the CPU, or a GPU under SPATIALCNN_TEST_DEVICE=cuda
+    # the grid's device: the CPU, or a GPU under SPATIALCNN_TEST_DEVICE=cuda
+    serial = build().to(grid.device, dtype)
     model = copy.deepcopy(serial)
     gen = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(shape, generator=gen).to(grid.device)
+    x = torch.randn(shape, generator=gen, dtype=dtype).to(grid.device)
+    rtol = RTOL64 if dtype == torch.float64 else RTOL
 
     groups = 1 if sync_batchnorm else grid.data_size
     rows = parallel.block_bounds(shape[0], groups)
     replicas = [copy.deepcopy(serial) for _ in rows]
-    pmodel = parallel.parallelize(model, grid, sync_batchnorm=sync_batchnorm)
+    pmodel = parallel.parallelize(model, grid, sync_batchnorm=sync_batchnorm, overlap_halo=overlap)
     errors: dict[str, float] = {}
     for step in range(steps):
         xs = x.clone().requires_grad_(True)
         outs = [rep(xs[a:b]) for rep, (a, b) in zip(replicas, rows)]
         ys = torch.cat(outs)
-        target = torch.randn(ys.shape, generator=gen).to(grid.device)
+        target = torch.randn(ys.shape, generator=gen, dtype=dtype).to(grid.device)
         (ys * target).sum().backward()
         for rep in replicas:
             for p in rep.parameters():
@@ -73,17 +79,17 @@ def check_module(grid: Grid, build: Callable[[], nn.Module], shape: tuple[int, .
         (yl * _local_target(target, grid)).sum().backward()
 
         tag = f"step {step}: "
-        errors[tag + "output"] = assert_close(parallel.gather(yl.detach(), grid), ys.detach(), tag + "output")
-        errors[tag + "input grad"] = assert_close(parallel.gather(xl.grad, grid), xs.grad, tag + "input grad")
+        errors[tag + "output"] = assert_close(parallel.gather(yl.detach(), grid), ys.detach(), tag + "output", rtol=rtol)
+        errors[tag + "input grad"] = assert_close(parallel.gather(xl.grad, grid), xs.grad, tag + "input grad", rtol=rtol)
         mine = replicas[0 if sync_batchnorm else grid.data_rank]
         expected_grads = {n: sum(dict(r.named_parameters())[n].grad for r in replicas)
                           for n, p in serial.named_parameters() if p.requires_grad}
         for name, p in pmodel.module.named_parameters():
-            errors[tag + name + " grad"] = assert_close(p.grad, expected_grads[name], f"{tag}grad of {name}")
+            errors[tag + name + " grad"] = assert_close(p.grad, expected_grads[name], f"{tag}grad of {name}", rtol=rtol)
         for name, buf in pmodel.module.named_buffers():
             ref = dict(mine.named_buffers())[name]
             if buf.dtype.is_floating_point:
-                errors[tag + name] = assert_close(buf, ref, f"{tag}buffer {name}")
+                errors[tag + name] = assert_close(buf, ref, f"{tag}buffer {name}", rtol=rtol)
             elif not torch.equal(buf, ref):
                 raise AssertionError(f"{tag}buffer {name}: {buf} != serial {ref}")
         for m in (pmodel, *replicas):
@@ -96,7 +102,7 @@ def check_module(grid: Grid, build: Callable[[], nn.Module], shape: tuple[int, .
             ref = mine(x[slice(*rows[0 if sync_batchnorm else grid.data_rank])])
             got = parallel.gather(pmodel(parallel.scatter(x, grid)), grid)
             a, b = grid.batch_range(shape[0])
-            errors["eval output"] = assert_close(got[a:b], ref, "eval output")
+            errors["eval output"] = assert_close(got[a:b], ref, "eval output", rtol=rtol)
     if set(dict(pmodel.state_dict()).keys()) != set(dict(serial.state_dict()).keys()):
         raise AssertionError("state_dict keys differ from the serial model's")
     return errors

@@ -67,6 +67,7 @@ TIERS = {
     "test_prepare_unet3d": "unit",
     "test_resume_grid": "launch",
     "test_schedule_reference": "unit",
+    "test_shard": "ranks",
     "test_sliding_window": "ranks",
     "test_train_cases": "launch",
     "test_train_config": "unit",

@@ -14,19 +14,19 @@ from parallel.grid import Grid
 from parallel.layers.conv import SpatialConv3d
 
 
-def conv_overlapped(grid: Grid, build: Callable[[], nn.Module], shape: tuple[int, ...]) -> dict[str, Any]:
-    """check_module with the overlap on; and whether the overlap path was taken."""
-    SpatialConv3d.overlap = True  # the class default, which parallelize(overlap_halo=False) keeps off
-    try:
-        errors: dict[str, Any] = {"overlap": cases.check_module(grid, build, shape)}
-    finally:
-        SpatialConv3d.overlap = False
-    model = build()
-    pmodel = parallel.parallelize(model, grid, overlap_halo=True)
-    pmodel(parallel.scatter(torch.randn(shape), grid))
+def conv_shell(grid: Grid, build: Callable[[], nn.Module], shape: tuple[int, ...], overlap: bool) -> dict[str, Any]:
+    """check_module in float64 (blocking or overlapped exchange); and whether every split
+    conv took the shell path (no window) and, overlapped, overlapped its exchange."""
+    errors: dict[str, Any] = {"check": cases.check_module(grid, build, shape, dtype=torch.float64, overlap=overlap)}
+    model = build().double()
+    pmodel = parallel.parallelize(model, grid, overlap_halo=overlap)
+    pmodel(parallel.scatter(torch.randn(shape, dtype=torch.float64), grid))
     layers = [m for m in pmodel.modules() if isinstance(m, SpatialConv3d)]
-    taken = [plan[2] is not None for m in layers for plan in m._plan_cache.values()]
-    errors["overlap_taken"] = bool(taken) and all(taken)
+    geometries = [g for m in layers for g in m._plan_cache.values()]
+    errors["shell_taken"] = bool(geometries) and all(g[2] is not None for g in geometries)
+    errors["overlapped"] = [bool(g[3]) for g in geometries]
+    errors["talks"] = [any(p is not None and not p.is_local for p in g[1]) for g in geometries]
+    errors["corrections"] = [len(g[2].corrections) for g in geometries if g[2] is not None]
     return errors
 
 
@@ -100,3 +100,44 @@ def unet_recompute_blocks(grid: Grid) -> int:
     for (name, p), q in zip(pmodel.module.named_parameters(), ref.parameters()):
         cases.assert_close(p.grad, q.grad, f"U-Net grad of {name} with recompute")
     return n
+
+
+def shell_adjoint(grid: Grid, shape: tuple[int, ...], windows: dict[int, list[tuple[int, int]]],
+                  mode: str) -> float:
+    """The onion of ``fetch_shell`` assembles exactly ``halo.fetch_all``'s window, and
+    ``reduce_shell`` (with ``scatter_grad``) is its adjoint: <F x, y> == <x, F^T y> summed
+    over ranks, in float64."""
+    from parallel import comm
+    from parallel.halo import fetch_all, make_plan
+    from parallel.partition import block_bounds
+    from parallel.shell import assemble, fetch_shell, reduce_shell, scatter_grad, shell_step
+
+    gen = torch.Generator().manual_seed(0)
+    full = torch.randn(shape, generator=gen, dtype=torch.float64)
+    x = parallel.scatter(full, grid)
+    steps, chain = [], []
+    for dim, wins in sorted(windows.items()):
+        axis = dim - 2
+        plan = make_plan(shape[dim], grid.line_ranks(dim), grid.coords[axis], wins, mode)  # type: ignore[arg-type]
+        block = block_bounds(shape[dim], grid.spatial[axis])[grid.coords[axis]]
+        st = shell_step(dim, plan, wins[grid.coords[axis]], block)
+        assert st is not None, f"dim {dim}: no shell step for window {wins[grid.coords[axis]]}"
+        steps.append(st)
+        chain.append((dim, plan))
+    window = fetch_all(x, chain)
+    shell = fetch_shell(x, steps)
+    built = assemble(x, shell, steps, len(steps), {}, False)
+    cases.assert_close(built, window, "window assembled from the shell", rtol=0.0)
+    y = torch.randn(window.shape, generator=torch.Generator().manual_seed(100 + grid.rank), dtype=torch.float64)
+    gshell = [(torch.zeros_like(a), torch.zeros_like(b)) for a, b in shell]
+    adds: list = []
+    scatter_grad(y, gshell, steps, len(steps), {}, adds)
+    adds += reduce_shell(gshell, steps, tuple(x.shape))
+    gx = torch.zeros_like(x)
+    for idx, t in adds:
+        gx[idx] += t
+    sums = comm.all_reduce_(torch.stack([(window * y).sum(), (x * gx).sum()]), grid.spatial_group)
+    lhs, rhs = float(sums[0]), float(sums[1])
+    if abs(lhs - rhs) > 1e-10 * max(abs(lhs), 1.0):
+        raise AssertionError(f"<Fx, y> = {lhs!r} but <x, F^T y> = {rhs!r}")
+    return abs(lhs - rhs)

@@ -22,10 +22,16 @@ def _run(*args: str, timeout: float = 240) -> list[dict]:
 
 
 def test_layer_prints_the_halo_overhead():
+    """Both ratios (over the best plain conv on the block, over a pre-cut window), forward
+    and backward apart, for the blocking, overlapped and whole-window paths."""
     rows = _run("layer", "--size", "12", "--channels", "2", "--trials", "2")
     assert rows[0]["kind"] == "layer" and rows[0]["local_block"] == [6, 12, 12]
-    assert set(rows[0]["overhead"]) == {"overlap", "blocking"}
-    assert rows[-1]["halo_overhead_2x1x1"] > 0
+    assert set(rows[0]["fair"]) == set(rows[0]["vs_window"]) == {"overlap", "blocking", "window_exchange"}
+    assert set(rows[0]["fair"]["blocking"]) == {"total", "forward", "backward", "cpu"}
+    seconds = rows[0]["seconds"]
+    assert seconds["best_plain"] <= min(seconds["plain"], seconds["plain_torch"]) + 1e-9
+    assert rows[-1]["halo_fair_2x1x1"] == rows[0]["fair"]["blocking"]["total"] > 0
+    assert rows[-1]["halo_fair_overlap_forward_2x1x1"] > 0 and rows[-1]["halo_vs_window_2x1x1"] > 0
 
 
 def test_step_measures_and_predicts_every_grid(tmp_path: Path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from cosmoflow import fields as cosmo_fields
 from cosmoflow.convert import write_synthetic
 from parallel.data import (BlockDataset, GlobalShuffleSampler, SampleReadError, choose_chunks,
                            make_loader, write_manifest, write_samples)
+from parallel.data.codecs import codec_kwargs
 from parallel.data.format import parse_splits
 from parallel.grid import Grid
 from unet3d import fields as unet_fields
@@ -208,3 +210,72 @@ def test_an_empty_tail_step_yields_zero_length_tensors(tmp_path: Path) -> None:
     assert first["volume"].shape == (1, 4, 8, 8, 8) and s1.samples == 1
     assert tail["volume"].shape == (0, 4, 8, 8, 8) and tail["volume"].dtype == torch.float32
     assert tail["target"].shape == (0, 4) and s2.samples == 0 and s2.bytes_read == 0
+
+
+def test_direct_chunk_reads_equal_hdf5s(tmp_path: Path) -> None:
+    """Whole-chunk hyperslabs of unfiltered data read with plain preads (into the output's
+    long runs, or staged for short runs, partial edge chunks and unwritten chunks) equal
+    HDF5's own read, and count the chunks' stored bytes; other selections are not taken."""
+    import os
+
+    from parallel.data import direct
+
+    rng = np.random.default_rng(0)
+    data = rng.integers(-500, 500, size=(2, 3, 20, 32, 48), dtype=np.int16)
+    path = tmp_path / "d.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("runs", data=data, chunks=(1, 3, 4, 32, 48))     # whole H x W: long runs
+        f.create_dataset("short", data=data, chunks=(1, 1, 4, 8, 8))      # 16-byte runs: staged
+        f.create_dataset("edge", data=data, chunks=(1, 3, 8, 16, 48))     # 20 = 8 + 8 + a partial 4
+        holes = f.create_dataset("holes", shape=data.shape, dtype=np.int16, chunks=(1, 3, 4, 16, 48), fillvalue=-7)
+        holes[:, :, :8] = data[:, :, :8]                                  # the later chunks stay unwritten
+        f.create_dataset("zstd", data=data, chunks=(1, 3, 4, 32, 48), **codec_kwargs("zstd"))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with h5py.File(path, "r", rdcc_nbytes=0) as f:
+            for name in ("runs", "short", "edge", "holes"):
+                dset = f[name]
+                for sel in [(slice(1, 2), slice(0, 3), slice(8, 16), slice(0, 32), slice(0, 48)),
+                            (slice(0, 1), slice(0, 3), slice(0, 20), slice(0, 32), slice(0, 48)),
+                            (slice(0, 2), slice(0, 3), slice(16, 20), slice(16, 32), slice(0, 48))]:
+                    if not direct.applies(dset, sel):
+                        assert name in ("runs", "holes") and sel[3].start == 16 and dset.chunks[3] == 32
+                        continue
+                    got, nbytes = direct.read(dset, sel, fd)
+                    np.testing.assert_array_equal(got, dset[sel], err_msg=f"{name} {sel}")
+                    chunk_bytes = direct_bytes = 0
+                    for corner in itertools.product(*(range(s.start, s.stop, c) for s, c in zip(sel, dset.chunks))):
+                        info = dset.id.get_chunk_info_by_coord(corner)
+                        chunk_bytes += int(info.size or 0) if info.byte_offset is not None else 0
+                    direct_bytes = nbytes
+                    assert direct_bytes == chunk_bytes, (name, sel)
+            assert not direct.applies(f["zstd"], (slice(0, 1), slice(0, 3), slice(0, 4), slice(0, 32), slice(0, 48)))
+            assert not direct.applies(f["runs"], (slice(0, 1), slice(0, 3), slice(2, 6), slice(0, 32), slice(0, 48)))
+    finally:
+        os.close(fd)
+    # The reader takes the direct path for block reads of files chunked for the split.
+    vol = rng.integers(0, 100, size=(1, 4, 16, 16, 16), dtype=np.int16)
+    p = write_samples(tmp_path / "s.h5", cosmo_fields.SPEC, {"volume": vol, "target": np.zeros((1, 4), np.float32)},
+                      splits=[(2, 1, 1)], codec="none")
+    grid = next(iter(_grids((2, 1, 1))))
+    ds = BlockDataset([p], grid=grid)
+    sample, nbytes, _ = ds.load(0)
+    np.testing.assert_array_equal(sample["volume"].numpy(), vol[0][(slice(None),) + grid.block_slices((16, 16, 16))])
+    assert nbytes == vol[0].nbytes // 2 + 16 and ds._fds, "the block read did not take the direct path"
+    ds.close()
+    assert not ds._fds
+
+
+def test_uncompressed_chunks_keep_h_and_w_whole_where_they_can() -> None:
+    """Unfiltered chunks (read as their runs in the block) are halved along D first: they
+    still tile every split's blocks, stay within 4 MiB, and keep W (and H where the splits
+    allow) whole."""
+    splits = parse_splits("2,4,2x2x1")
+    chunks = choose_chunks((256, 256, 256), splits, 4, 2, uncompressed=True)
+    assert chunks == (1, 4, 16, 128, 256)
+    assert math.prod(chunks) * 2 <= 4 << 20
+    for spatial in splits:
+        for grid in _grids(spatial):
+            for (a, b), c in zip(grid.block_range((256, 256, 256)), chunks[2:]):
+                assert a % c == 0 and b % c == 0
+    assert choose_chunks((256, 256, 256), splits, 4, 2) != chunks  # compressed: the 1 MiB cubes

@@ -1,9 +1,9 @@
-"""The overlapped halo exchange and per-block recomputation change no number.
+"""The shell convolution (blocking and overlapped) and per-block recomputation change no number.
 
-The conv cases of tests/test_layers.py whose blocks all have an interior run again with
-the overlap on (the layer tests run the default, blocking path, which is also what the
-overlap falls back to for thinner blocks), against torch.nn, and must have taken the
-overlapped path. Recomputation is compared with none.
+Every conv case of tests/test_layers.py runs again in float64, with the halo exchange
+blocking and overlapped, against torch.nn (the layer tests run the default path in
+float32), and must have taken the shell path (the block convolved in place, the halos'
+contributions added; no window formed). Recomputation is compared with none.
 """
 
 import math
@@ -13,16 +13,16 @@ import pytest
 import overlap_cases
 from test_layers import CONV
 
-OVERLAPPED = [c for c in CONV if c[0] in {
-    "k3-pad1-D2", "k5-pad2-H3-uneven19", "k3-stride2-pad1-H3-uneven19", "k3-same-H3", "k3-circular-D2",
-    "k3-groups2-nobias-D2", "k3-corners-1x2x2", "k3-dilation2-pad2-D2", "k3-pad1-D2-thin-reordered",
-    "k313-stride121-D2-thin-reordered"}]
+MODES = [(c, overlap) for c in CONV for overlap in (False, True)]
 
 
-@pytest.mark.parametrize("case_id,build,shape,spatial", OVERLAPPED, ids=[c[0] for c in OVERLAPPED])
-def test_overlapped_conv_equals_serial(pools, case_id, build, shape, spatial):
-    results = pools.run(math.prod(spatial), overlap_cases.conv_overlapped, build, shape, spatial=spatial)
-    assert all(r["overlap_taken"] for r in results), f"{case_id}: the overlapped path was not taken"
+@pytest.mark.parametrize("case,overlap", MODES, ids=[f"{c[0]}-{'overlap' if o else 'blocking'}" for c, o in MODES])
+def test_shell_conv_equals_serial_in_float64(pools, case, overlap):
+    case_id, build, shape, spatial = case
+    results = pools.run(math.prod(spatial), overlap_cases.conv_shell, build, shape, overlap, spatial=spatial)
+    assert all(r["shell_taken"] for r in results), f"{case_id}: a rank fetched the whole window"
+    for r in results:  # overlapped wherever messages travel (a 1-wide kernel or a local wrap sends none)
+        assert r["overlapped"] == [overlap and t for t in r["talks"]], (case_id, r["overlapped"], r["talks"])
 
 
 @pytest.mark.parametrize("spatial,world", [((1, 1, 1), 1), ((1, 2, 1), 4)], ids=["serial", "data2-spatial2"])
@@ -33,3 +33,19 @@ def test_recompute_equals_no_recompute_with_dropout_and_batchnorm(pools, spatial
 def test_unet_blocks_recomputed_equal_serial(pools):
     counts = pools.run(2, overlap_cases.unet_recompute_blocks, spatial=(2, 1, 1))
     assert counts[0] == 2 + 2 * 2 + 2  # input block's 2 conv blocks, 2 per level down, 2 up blocks
+
+
+# (id, global shape, {tensor dim: every position's window}, mode, spatial split)
+SHELLS = [
+    ("D2-halo1", (1, 2, 8, 3, 3), {2: [(-1, 5), (3, 9)]}, "constant", (2, 1, 1)),
+    ("D2-circular", (1, 2, 8, 3, 3), {2: [(-2, 5), (3, 10)]}, "circular", (2, 1, 1)),
+    ("W4-halo-wider-than-block", (1, 1, 3, 3, 9), {4: [(-2, 5), (1, 7), (3, 9), (5, 11)]}, "constant", (1, 1, 4)),
+    ("D2xH2-corners", (1, 2, 6, 5, 3), {2: [(-1, 4), (2, 7)], 3: [(-1, 4), (2, 6)]}, "constant", (2, 2, 1)),
+    ("D2xH2xW2-trimmed", (1, 1, 6, 6, 7), {2: [(-1, 4), (2, 7)], 3: [(1, 3), (3, 5)], 4: [(-2, 5), (2, 9)]},
+     "circular", (2, 2, 2)),
+]
+
+
+@pytest.mark.parametrize("shape,windows,mode,spatial", [c[1:] for c in SHELLS], ids=[c[0] for c in SHELLS])
+def test_shell_exchange_builds_the_window_and_is_its_adjoint(pools, shape, windows, mode, spatial):
+    pools.run(math.prod(spatial), overlap_cases.shell_adjoint, shape, windows, mode, spatial=spatial)

@@ -8,7 +8,6 @@ stride of 8) and kept (padded), uneven blocks of the kept case across ranks.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import h5py
 import numpy as np

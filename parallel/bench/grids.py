@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from parallel.bench import device as dev
 from parallel.bench.shared import Rows, overrides_of, plot, sizes
 from parallel.bench.timing import load
 from parallel.train.family import get, names
@@ -29,7 +30,8 @@ def layer_args(p: argparse.ArgumentParser) -> None:
 
 
 def layer(args: argparse.Namespace) -> Rows:
-    """Halo overhead: spatial conv fwd+bwd (overlapped and blocking) over the plain local conv."""
+    """Halo overhead: spatial conv fwd and bwd (blocking, overlapped, whole window) over the best
+    plain conv on the same block, and over the conv of a window cut beforehand."""
     from parallel.bench.layer import conv_overhead
     from parallel.bench.ranks import run_ranks
 
@@ -42,11 +44,15 @@ def layer(args: argparse.Namespace) -> Rows:
         row = {"kind": "layer", "spatial": spatial, "size": args.size, "channels": args.channels,
                "kernel": args.kernel, **r}
         yield row
-        # The default path (blocking) first; the overlapped one beside it.
-        summary[f"halo_overhead_{text}"] = r["overhead"]["blocking"]
-        summary[f"halo_overhead_overlap_{text}"] = r["overhead"]["overlap"]
-        summary[f"halo_overhead_vs_window_{text}"] = r["overhead_vs_window"]["blocking"]
-        summary[f"halo_overhead_vs_window_overlap_{text}"] = r["overhead_vs_window"]["overlap"]
+        # The fair ratio (fwd+bwd over the best plain conv on the block) of the default path
+        # first; forward and backward apart, the overlapped and whole-window paths beside it.
+        for v, key in (("blocking", ""), ("overlap", "_overlap"), ("window_exchange", "_window_exchange")):
+            summary[f"halo_fair{key}_{text}"] = r["fair"][v]["total"]
+            summary[f"halo_fair{key}_forward_{text}"] = r["fair"][v]["forward"]
+            summary[f"halo_fair{key}_backward_{text}"] = r["fair"][v]["backward"]
+            summary[f"halo_fair{key}_cpu_{text}"] = r["fair"][v]["cpu"]
+            summary[f"halo_vs_window{key}_{text}"] = r["vs_window"][v]["total"]
+        summary[f"halo_fair_best_{text}"] = min(r["fair"]["blocking"]["total"], r["fair"]["overlap"]["total"])
     summary["load_after"] = load()
     yield summary
 
@@ -63,31 +69,39 @@ def step_args(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--{name}-set", nargs="*", default=list(small),
                        help=f"model overrides for {name} (default: {' '.join(small) or 'none'})")
     p.add_argument("--no-weak", action="store_true")
-    p.add_argument("--overlap", action="store_true", help="hide the halo exchanges behind the interior")
+    p.add_argument("--overlap", nargs="?", const="true", default="false", choices=("false", "true", "auto"),
+                   help="the halo exchanges beside each conv's block (auto: per layer, from the calibration)")
     p.add_argument("--spatial", default="2x1x1", help="the 2-way split (default along D, as the readers slab)")
     p.add_argument("--calibration", default=None, help="plan calibration (default: measure it now if missing)")
     p.add_argument("--optim", choices=["sgd", "kfac"], default="sgd",
                    help="kfac: time K-FAC's plain, factor-update and inverse-update steps against SGD's "
                         "on the 2-way split instead (parallel/bench/kfac.py)")
     p.add_argument("--kfac", nargs="*", default=[], metavar="KEY=VALUE", help="K-FAC settings (optim.kfac)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per rank: 2 GPUs)")
+
+
+def _overlap(text: str) -> bool | str:
+    return {"false": False, "true": True}.get(text, text)
 
 
 def _machine(args: argparse.Namespace, cases: list) -> Any:
     """The calibration (measured now if missing), with the local layer times of ``cases``
-    ((layers, spatial, local batch) for each grid the benchmark predicts) added if absent."""
+    (``parallel.bench.calibrate.Case``, one per grid the benchmark predicts) added if absent."""
     from parallel.bench.calibrate import calibrate, ensure_layer_seconds
     from parallel.plan import Machine, default_calibration
 
     path = Path(args.calibration) if args.calibration else default_calibration()
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(calibrate([l for ls, _, _ in cases for l in ls]), indent=1), encoding="utf-8")
+        device = dev.parse(getattr(args, "device", "cpu"))
+        path.write_text(json.dumps(calibrate(cases, device=device), indent=1), encoding="utf-8")
     ensure_layer_seconds(path, cases)
     return Machine.load(path)
 
 
 def step(args: argparse.Namespace) -> Rows:
     """Step time per grid (serial, spatial 2, data 2, weak spatial 2), measured and predicted."""
+    from parallel.bench.calibrate import Case
     from parallel.bench.ranks import run_ranks
     from parallel.bench.step import step_times
     from parallel.plan import Options, build_model, predict, trace
@@ -99,6 +113,7 @@ def step(args: argparse.Namespace) -> Rows:
         return
     size = sizes(args.size)
     split = tuple(sizes(args.spatial))
+    device = dev.parse(args.device)
     if math.prod(split) != 2:
         raise SystemExit(f"--spatial {args.spatial}: the step benchmark compares 2-way splits")
     summary: dict[str, Any] = {"kind": "summary", "command": "step", "spatial": list(split), "load_before": load()}
@@ -106,20 +121,26 @@ def step(args: argparse.Namespace) -> Rows:
     for name in args.models.split(","):
         over = overrides_of(args, name)
         weak = None if args.no_weak else [n * s for n, s in zip(size, split)]
-        r = run_ranks(2, step_times, name, size, over, args.batch, args.trials, weak, args.overlap,
-                      spatial=split)[0]
+        r = run_ranks(2, step_times, name, size, over, args.batch, args.trials, weak, _overlap(args.overlap),
+                      spatial=split, device=device.type)[0]
         model, in_shape, stored = build_model(name, size, over)
         layers = trace(model, in_shape)
-        opts = Options(global_batch=args.batch, stored_bytes_per_voxel=stored, overlap=args.overlap)
-        grids = {"serial": (1, (1, 1, 1), layers), "spatial2": (1, split, layers),
-                 "data2": (2, (1, 1, 1), layers)}
+        # Both ranks run on this machine: the multi-rank grids' layers run beside each other
+        # (timed busy in the calibration); on GPUs each rank has its own device.
+        opts = Options(global_batch=args.batch, stored_bytes_per_voxel=stored, overlap=_overlap(args.overlap),
+                       node_ranks=2 if device.type == "cpu" else 1)
+        grids = {"serial": (1, (1, 1, 1), layers, size), "spatial2": (1, split, layers, size),
+                 "data2": (2, (1, 1, 1), layers, size)}
         if weak is not None:
             wmodel, win, _ = build_model(name, weak, over)
-            grids["spatial2_weak"] = (1, split, trace(wmodel, win))
-        # Each layer's local computation is timed in isolation (one process, no communication);
-        # the model adds the exchanges, the gradient all-reduce and the optimiser.
-        machine = _machine(args, [(ls, sp, math.ceil(args.batch / d)) for d, sp, ls in grids.values()])
-        predicted = {k: predict(ls, machine, d, sp, opts)["step_s"] for k, (d, sp, ls) in grids.items()}
+            grids["spatial2_weak"] = (1, split, trace(wmodel, win), weak)
+        # Each layer's local computation is timed without communication, alone for the serial
+        # grid and with both ranks computing for the others; the model adds the exchanges,
+        # the gradient all-reduce and the optimiser.
+        cases = [Case(name, tuple(sz), tuple(over), tuple(sp), math.ceil(args.batch / d), d * math.prod(sp) > 1)
+                 for d, sp, _, sz in grids.values()]
+        machine = _machine(args, cases)
+        predicted = {k: predict(ls, machine, d, sp, opts)["step_s"] for k, (d, sp, ls, _) in grids.items()}
         # Calibration keeps the least disturbed trial, so predictions compare with the best step.
         error = {k: predicted[k] / r["best_seconds"][k] - 1 for k in r["best_seconds"] if k in predicted}
         yield {"kind": "step", "model": name, "size": size, "batch": args.batch, "set": over,
@@ -132,6 +153,7 @@ def step(args: argparse.Namespace) -> Rows:
         if "weak_efficiency_spatial2" in r:
             summary[f"{name}_weak_efficiency_spatial2"] = r["weak_efficiency_spatial2"]
         summary[f"{name}_worst_prediction_error"] = max(abs(e) for e in error.values())
+        summary["machine"] = machine.label
         plotted[name] = (r["best_seconds"], predicted)
 
     def draw(ax: Any) -> None:
@@ -164,7 +186,9 @@ def memory_args(p: argparse.ArgumentParser) -> None:
                                                          "gradients and momentum are a third of a 4-way rank's peak)")
     p.add_argument("--set", nargs="*", default=[])
     p.add_argument("--recompute", action="store_true", help="also measure with activation checkpointing")
-    p.add_argument("--overlap", action="store_true", help="hide the halo exchanges behind the interior")
+    p.add_argument("--overlap", nargs="?", const="true", default="false", choices=("false", "true", "auto"),
+                   help="the halo exchanges beside each conv's block (auto: per layer, from the calibration)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per rank; peak = reserved + context)")
     p.add_argument("--mmap-threshold", type=int, default=1 << 20,
                    help="glibc MALLOC_MMAP_THRESHOLD_ of the ranks: blocks this large are returned to the "
                         "system when freed, so peak RSS measures live tensors, not heap fragmentation (0: glibc's "
@@ -192,7 +216,7 @@ def memory(args: argparse.Namespace) -> Rows:
             world = math.prod(spatial)
             t0 = time.perf_counter()
             ranks = run_ranks(world, peak_memory, args.model, (args.size,) * 3, args.set, args.batch, recompute,
-                              args.overlap, spatial=spatial)
+                              _overlap(args.overlap), spatial=spatial, device=dev.parse(args.device).type)
             above = max(r["above_baseline"] for r in ranks)
             if world == 1:
                 serial[recompute] = above
@@ -211,6 +235,7 @@ def memory(args: argparse.Namespace) -> Rows:
             yield row
             key = f"{'recompute_' if recompute else ''}spatial{world}_over_serial"
             summary[key] = row["ratio_to_serial"]
+            summary[f"{'recompute_' if recompute else ''}spatial_{text}_over_serial"] = row["ratio_to_serial"]
             plotted.setdefault("recompute" if recompute else "plain", []).append((world, above / 2**20))
 
     def draw(ax: Any) -> None:

@@ -19,18 +19,27 @@ from parallel.launch import free_port
 
 
 def _worker(rank: int, world: int, port: int, threads: int, fn: Callable[..., Any], args: tuple,
-            spatial: Sequence[int], results: Any) -> None:
+            spatial: Sequence[int], results: Any, device: str = "cpu") -> None:
     os.environ["OMP_NUM_THREADS"] = str(threads)
     import torch
     import torch.distributed as dist
 
+    from parallel import comm
     from parallel.grid import Grid
 
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, timeout=timedelta(seconds=600))
-        grid = Grid.from_world(spatial)
+        where = torch.device("cpu")
+        if device == "cuda":  # one GPU per rank, NCCL, TF32 off (the framework's defaults)
+            from parallel.launch import configure_cuda
+
+            where = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(where)
+            configure_cuda(tf32=False)
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=rank, world_size=world, timeout=timedelta(seconds=600))
+        comm.barrier(None)  # a first operation of every rank (NCCL's rule for point-to-point)
+        grid = Grid.from_world(spatial, device=where)
         results.put((rank, True, fn(grid, *args)))
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - report everything to the parent
@@ -38,12 +47,19 @@ def _worker(rank: int, world: int, port: int, threads: int, fn: Callable[..., An
 
 
 def run_ranks(world: int, fn: Callable[..., Any], *args: Any, spatial: Sequence[int] = (1, 1, 1),
-              threads: int = 1, timeout: float = 600.0) -> list[Any]:
-    """``fn(grid, *args)`` on every rank of a fresh ``world``; results in rank order."""
+              threads: int = 1, timeout: float = 600.0, device: str = "cpu") -> list[Any]:
+    """``fn(grid, *args)`` on every rank of a fresh ``world``; results in rank order.
+    ``device="cuda"``: one GPU per rank over NCCL (the world may not exceed the GPUs)."""
+    if device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < world:
+            raise RuntimeError(f"{getattr(fn, '__name__', fn)}: {world} ranks need {world} GPUs, "
+                               f"{torch.cuda.device_count()} visible")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port("127.0.0.1")
-    procs = [ctx.Process(target=_worker, args=(r, world, port, threads, fn, args, tuple(spatial), results),
+    procs = [ctx.Process(target=_worker, args=(r, world, port, threads, fn, args, tuple(spatial), results, device),
                          daemon=False) for r in range(world)]  # ranks may start loader workers
     for p in procs:
         p.start()

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import os
-import resource
 from typing import Any, Sequence
 
 import torch
 from torch import nn
 
 import parallel
+from parallel.bench import device as dev
 from parallel.bench.timing import interleaved, median, ratio
 from parallel.grid import Grid
 from parallel.plan import build_model
 from parallel.train.family import get
-from parallel.train.report import peak_memory_bytes
 
 
 def make_model(name: str, size: Sequence[int], overrides: Sequence[str]) -> tuple[nn.Module, tuple[int, ...]]:
@@ -28,16 +26,20 @@ class Stepper:
     """One model on one grid: ``step()`` runs forward, loss, backward and an SGD update."""
 
     def __init__(self, grid: Grid, name: str, size: Sequence[int], overrides: Sequence[str], batch: int,
-                 overlap: bool = False, recompute: bool = False, active: bool = True) -> None:
+                 overlap: bool | str = False, recompute: bool = False, active: bool = True) -> None:
         self.active = active
         if not active:
             return
         model, in_shape = make_model(name, size, overrides)
-        self.pmodel = parallel.parallelize(model, grid, overlap_halo=overlap, recompute=recompute)
+        self.device = grid.device
+        # Flatten+Linear weights sharded by block, as the training loop runs them.
+        self.pmodel = parallel.parallelize(model, grid, overlap_halo=overlap, recompute=recompute,
+                                           input_shape=in_shape)
         self.opt = torch.optim.SGD(self.pmodel.parameters(), lr=1e-4, momentum=0.9)
         gen = torch.Generator().manual_seed(1)
         x = torch.randn((batch, *in_shape), generator=gen)
-        self.x = parallel.scatter(x, grid).clone() if grid.world_size > 1 else x  # the block only, as a reader gives
+        x = parallel.scatter(x, grid).clone() if grid.world_size > 1 else x  # the block only, as a reader gives
+        self.x = x.to(grid.device)
 
     def step(self) -> None:
         if not self.active:
@@ -46,14 +48,15 @@ class Stepper:
         out.float().square().mean().backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        dev.sync(self.device)  # the timers see the device's work (CUDA)
 
 
 def step_times(grid: Grid, name: str, size: Sequence[int], overrides: Sequence[str], batch: int,
-               trials: int, weak_size: Sequence[int] | None, overlap: bool) -> dict[str, Any]:
+               trials: int, weak_size: Sequence[int] | None, overlap: bool | str) -> dict[str, Any]:
     """On a 2-rank world: serial (rank 0 alone, one thread), spatial 2, data 2, and (weak
     scaling) spatial 2 on a volume twice as deep, in interleaved trials."""
     world = grid.world_group
-    serial_grid = Grid(spatial=(1, 1, 1), world_size=1, rank=0)
+    serial_grid = Grid(spatial=(1, 1, 1), world_size=1, rank=0, device=grid.device)
     data_grid = Grid.from_world((1, 1, 1))
     steppers = {
         "serial": Stepper(serial_grid, name, size, overrides, batch, active=grid.rank == 0),
@@ -74,27 +77,8 @@ def step_times(grid: Grid, name: str, size: Sequence[int], overrides: Sequence[s
     return out
 
 
-def resident_bytes() -> float:
-    """This process's resident memory now (Linux /proc), else its peak."""
-    try:
-        with open("/proc/self/statm", encoding="ascii") as f:
-            return float(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
-    except OSError:
-        return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-
-
-def _reset_peak() -> bool:
-    """Start the peak afresh (Linux: ``5`` into ``/proc/self/clear_refs``)."""
-    try:
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def peak_memory(grid: Grid, name: str, size: Sequence[int], overrides: Sequence[str], batch: int,
-                recompute: bool, overlap: bool = False, steps: int = 1) -> dict[str, float]:
+                recompute: bool, overlap: bool | str = False, steps: int = 1) -> dict[str, float]:
     """Peak resident memory of this rank over ``steps`` steps, and its baseline before the model.
 
     The baseline is taken after a step of a tiny model of the same family, so that what
@@ -109,12 +93,15 @@ def peak_memory(grid: Grid, name: str, size: Sequence[int], overrides: Sequence[
     warm.step()
     del warm
     gc.collect()
-    reset = _reset_peak()
-    baseline = resident_bytes()
+    if grid.device.type == "cuda":
+        torch.cuda.empty_cache()  # the baseline: the context and what the runtime keeps, no cached blocks
+    reset = dev.reset_peak(grid.device)
+    baseline = dev.in_use_bytes(grid.device)
     s = Stepper(grid, name, size, overrides, batch, overlap=overlap, recompute=recompute)
     for _ in range(steps):
         s.step()
-    peak = float(peak_memory_bytes(torch.device("cpu")))  # VmHWM: this process's own peak
+    # CPU: VmHWM, this process's own peak; CUDA: peak reserved + context (what the device held).
+    peak = dev.peak_bytes(grid.device)
     return {"baseline_bytes": baseline, "peak_bytes": peak, "above_baseline": peak - baseline,
             "peak_reset": float(reset)}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 from parallel import comm
@@ -14,35 +14,53 @@ def _barrier(group: object | None) -> None:
     comm.barrier(group, caller="bench.timing")
 
 
-def interleaved(variants: dict[str, Callable[[], None]], trials: int, warmup: int = 1,
-                group: object | None = None) -> dict[str, list[float]]:
+def interleaved(variants: Mapping[str, Callable[[], object]], trials: int, warmup: int = 1,
+                group: object | None = None, cpu: bool = False) -> dict[str, list[float]]:
     """Seconds of each variant per trial, variants run in turn within each trial.
 
     Under torch.distributed every rank runs the same schedule; a trial's time is the
-    slowest rank's (one all-reduce of max per trial, outside the timed region).
+    slowest rank's (one all-reduce of max per trial, outside the timed region). A variant
+    that returns a dict of phase seconds (``{"forward": s, "backward": s}``) also gets
+    ``name.phase`` entries; ``cpu`` adds ``name.cpu``, the process's CPU seconds (all its
+    threads): on a loaded machine a steadier figure of the work done, though it leaves
+    out time spent waiting for messages.
     """
     for _ in range(warmup):
         for fn in variants.values():
             _barrier(group)
             fn()
-    times: dict[str, list[float]] = {k: [] for k in variants}
+    times: dict[str, list[float]] = {}
     for t in range(trials):
         names = list(variants) if t % 2 == 0 else list(reversed(variants))  # no fixed order bias
-        row = []
+        keys, row = [], []
         for name in names:
             _barrier(group)
+            c0 = time.process_time()
             t0 = time.perf_counter()
-            variants[name]()
+            phases = variants[name]()
+            keys.append(name)
             row.append(time.perf_counter() - t0)
+            if cpu:
+                keys.append(f"{name}.cpu")
+                row.append(time.process_time() - c0)
+            if isinstance(phases, dict):
+                for phase, secs in sorted(phases.items()):
+                    keys.append(f"{name}.{phase}")
+                    row.append(float(secs))
         secs = torch.tensor(row, dtype=torch.float64)
         comm.all_reduce_(secs, group, "max", caller="bench.timing.interleaved")
-        for name, s in zip(names, secs.tolist()):
-            times[name].append(s)
+        for key, s in zip(keys, secs.tolist()):
+            times.setdefault(key, []).append(s)
     return times
 
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
+
+
+def spread(xs: list[float]) -> list[float]:
+    """The lowest, median and highest of ``xs`` (how far trials wandered)."""
+    return [min(xs), statistics.median(xs), max(xs)] if xs else []
 
 
 def ratio(num: list[float], den: list[float]) -> float:

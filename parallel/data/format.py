@@ -34,6 +34,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SUFFIXES = (".h5", ".hdf5")
 DEFAULT_CHUNK_BYTES = 1 << 20
+UNCOMPRESSED_CHUNK_BYTES = 4 << 20
 MIN_CHUNK_EDGE = 8
 
 
@@ -100,11 +101,16 @@ def _gcd_of_boundaries(n: int, splits: Iterable[int]) -> int:
 
 
 def choose_chunks(volume: Sequence[int], splits: Sequence[Sequence[int]], channels: int | None,
-                  itemsize: int, target_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[int, ...]:
+                  itemsize: int, target_bytes: int = DEFAULT_CHUNK_BYTES, uncompressed: bool = False
+                  ) -> tuple[int, ...]:
     """A chunk shape (with leading sample axis) whose edges tile every split's blocks.
 
     Along each dim the edge starts at the gcd of all block boundaries of ``splits``; the
     largest edge is halved (keeping it a divisor) while the chunk exceeds ``target_bytes``.
+    ``uncompressed``: chunks of up to ``UNCOMPRESSED_CHUNK_BYTES``, halved along D first,
+    then H: a codec decodes whole chunks (small ones suit it), but an unfiltered chunk is
+    read as its runs in the block, which are long where the chunk keeps H and W whole
+    (``parallel.data.direct``).
     Where uneven splits leave a gcd below both ``MIN_CHUNK_EDGE`` and the smallest block,
     no sensible chunk tiles the boundaries: the edge becomes ``MIN_CHUNK_EDGE`` and a block read may touch one extra
     chunk layer at that boundary (logged).
@@ -122,10 +128,17 @@ def choose_chunks(volume: Sequence[int], splits: Sequence[Sequence[int]], channe
             g = min(MIN_CHUNK_EDGE, int(n))
         edges.append(g)
     per_voxel = itemsize * (channels or 1)
+    if uncompressed:
+        target_bytes = max(target_bytes, UNCOMPRESSED_CHUNK_BYTES)
     while math.prod(edges) * per_voxel > target_bytes:
-        axis = max(range(3), key=lambda a: edges[a])
-        if edges[axis] % 2 or edges[axis] <= MIN_CHUNK_EDGE:
-            break
+        if uncompressed:  # D first, then H, then W: long contiguous runs
+            axis = next((a for a in range(3) if edges[a] % 2 == 0 and edges[a] > MIN_CHUNK_EDGE), None)
+            if axis is None:
+                break
+        else:
+            axis = max(range(3), key=lambda a: edges[a])
+            if edges[axis] % 2 or edges[axis] <= MIN_CHUNK_EDGE:
+                break
         edges[axis] //= 2
     return (1,) + ((channels,) if channels is not None else ()) + tuple(edges)
 
@@ -253,7 +266,8 @@ def create_datasets(f: h5py.File, spec: SampleSpec, shapes: Mapping[str, tuple[S
             if crop is not None:
                 chunks = choose_crop_chunks(volume, crop, splits, fs.channels, codec)
             else:
-                chunks = choose_chunks(volume, splits, fs.channels, np.dtype(fs.dtype).itemsize, chunk_bytes)
+                chunks = choose_chunks(volume, splits, fs.channels, np.dtype(fs.dtype).itemsize, chunk_bytes,
+                                       uncompressed=(codec or "none").lower() == "none")
             f.create_dataset(fs.name, shape=shape, dtype=fs.dtype, chunks=chunks, **codec_kwargs(codec))
         else:
             if shape[1:] != tuple(fs.shape):

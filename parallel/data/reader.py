@@ -4,7 +4,10 @@ Files are opened lazily in the process that reads (each DataLoader worker opens 
 handles), and every read is accounted: the bytes HDF5 reads for the hyperslab (for a
 filtered, i.e. compressed, dataset the stored sizes of the chunks it touches; for an
 unfiltered one just the selected voxels, which HDF5 reads straight from the file when
-the chunk cache is off, as here) and the seconds spent. ``io="counting"`` opens files
+the chunk cache is off, as here) and the seconds spent. An unfiltered hyperslab of whole
+chunks (a block of a file chunked to tile the blocks) is read chunk by chunk with plain
+reads into the output array instead (``parallel.data.direct``: HDF5 would copy it in
+runs as short as a chunk's rows). ``io="counting"`` opens files
 through a Python file object that counts every byte HDF5 actually reads (metadata
 included), for tests and benchmarks.
 
@@ -29,6 +32,7 @@ import numpy as np
 import torch
 
 import parallel.data.codecs  # noqa: F401  (registers the HDF5 compression filters)
+from parallel.data import direct
 from parallel.data.accounting import CountingFile, read_bytes, selection_bytes, touched_chunk_bytes  # noqa: F401
 from parallel.data.crops import REGION_KEY, Region, RegionPolicy
 from parallel.data.format import read_manifest, sample_files
@@ -99,6 +103,7 @@ class BlockDataset(torch.utils.data.Dataset):
         except OSError as err:
             raise SampleReadError(f"{path}: cannot open sample file: {err}") from err
         self._handles: OrderedDict[Path, tuple[h5py.File, CountingFile | None]] = OrderedDict()
+        self._fds: dict[Path, int] = {}
         self._pid = os.getpid()
 
     def __len__(self) -> int:
@@ -145,9 +150,14 @@ class BlockDataset(torch.utils.data.Dataset):
                 dset = f[name]
                 if name in self._volume_fields:
                     selection, takes = self._selection(f, dset, row, region)
-                    if counter is None:
-                        nbytes += read_bytes(dset, selection)
-                    array = _take(dset[selection][0], takes)
+                    if counter is None and direct.applies(dset, selection):
+                        whole, n = direct.read(dset, selection, self._fd(path))
+                        nbytes += n
+                        array = _take(whole[0], takes)
+                    else:
+                        if counter is None:
+                            nbytes += read_bytes(dset, selection)
+                        array = _take(dset[selection][0], takes)
                 else:
                     array = dset[row]
                     if counter is None:
@@ -219,9 +229,17 @@ class BlockDataset(torch.utils.data.Dataset):
         lead = [slice(row, row + 1)] + [slice(0, n) for n in dset.shape[1:-3]]
         return tuple(lead + local), takes
 
+    def _fd(self, path: Path) -> int:
+        """A plain descriptor of an open sample file, for ``direct`` reads (closed with its handle)."""
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds[path] = os.open(path, os.O_RDONLY)
+        return fd
+
     def _open(self, path: Path) -> tuple[h5py.File, CountingFile | None]:
         if self._pid != os.getpid():  # inherited from a parent by fork: never share handles
             self._handles = OrderedDict()
+            self._fds = {}
             self._pid = os.getpid()
         entry = self._handles.get(path)
         if entry is not None:
@@ -239,10 +257,12 @@ class BlockDataset(torch.utils.data.Dataset):
             raise SampleReadError(f"{path}: cannot open sample file: {err}") from err
         self._handles[path] = (f, counter)
         while len(self._handles) > self.max_open_files:
-            _, (old, old_counter) = self._handles.popitem(last=False)
+            old_path, (old, old_counter) = self._handles.popitem(last=False)
             old.close()
             if old_counter is not None:
                 old_counter.close()
+            if old_path in self._fds:
+                os.close(self._fds.pop(old_path))
         return f, counter
 
     def close(self) -> None:
@@ -252,10 +272,14 @@ class BlockDataset(torch.utils.data.Dataset):
             if counter is not None:
                 counter.close()
         self._handles.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_handles"] = OrderedDict()  # h5py handles never cross processes
+        state["_fds"] = {}
         return state
 
 

@@ -99,6 +99,8 @@ def serial_type(module: nn.Module) -> str:
 
 def _dims(module: nn.Module) -> tuple[Kind, int, int] | str:
     """(kind, dim A, dim G), or why the layer is not preconditioned."""
+    if isinstance(module, SpatialLinear) and module.shard is not None:
+        return "its weight is sharded by block (parallelize's input_shape): no rank holds the whole gradient"
     if isinstance(module, SpatialLinear):
         if tuple(module.weight.shape) != (module.out_features, module.in_features):
             # a rank holding only its columns: the factors and update need the whole weight

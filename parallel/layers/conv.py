@@ -25,7 +25,7 @@ from torch import nn
 from parallel.halo import ExchangePlan, fetch, reduce
 from parallel.layers.kernels import conv3d
 from parallel.layers.base import SpatialMixin, sliding_windows
-from parallel.layers.overlap import OverlapConv, OverlapPlan, interior, overlap_plan
+from parallel.layers.shellconv import ShellConv, ShellGeometry, shell_geometry
 from parallel.partition import DIM_NAMES, SplitError, block_bounds
 
 
@@ -42,69 +42,79 @@ def conv_pads(conv: nn.Conv3d, axis: int) -> tuple[int, int]:
 class SpatialConv3d(SpatialMixin, nn.Conv3d):
     """``nn.Conv3d`` on this rank's block; equals the serial layer on the gathered volume.
 
-    ``overlap`` (``parallelize(..., overlap_halo=True)``) hides the halo exchange behind
-    the interior of the block, forward and backward (``parallel.layers.overlap``); blocks
-    too thin to have an interior take the plain path. Off by default: on CPUs the exchange
-    costs less than cutting the convolution into pieces (``docs/performance.md``).
+    The block is convolved in place and the halos' contributions added to the rows that
+    read them (``parallel.layers.shellconv``): no copy of the block into a window, forward
+    or backward. ``overlap`` runs the halo exchange beside the block's convolution (and the
+    halo gradients' beside its backward): True, False, or ``"auto"`` (decided per layer at
+    its first forward from ``cost_model``, a ``parallel.plan.Machine``: overlapped where the
+    messages take longer than handing them to the halo thread; ``parallelize(...,
+    overlap_halo="auto")`` sets both).
     """
 
-    overlap: bool = False
+    overlap: bool | str = False
+    cost_model: Any = None
+    overlap_chosen: bool | None = None
+    """What ``overlap`` came to at the last geometry (``"auto"`` resolved), for reports."""
     window_hook: Callable[..., Any] | None = None
     """``hook(layer, window, pads)``: the input window the kernel convolves (halos fetched,
     padding materialised along split dims) and the padding it still applies; set by
     ``parallel.kfac``, whose factors need the patches the convolution really reads. The
-    overlapped path never forms the window, so a hooked layer takes the plain one."""
+    shell path never forms the window, so a hooked layer takes the window path."""
 
-    def _geometry(self, dims: tuple[int, int, int]) -> tuple[tuple[int, ...], list[ExchangePlan | None],
-                                                              OverlapPlan | None]:
+    def _geometry(self, dims: tuple[int, int, int], x: torch.Tensor) -> tuple[
+            tuple[int, ...], list[ExchangePlan | None], ShellGeometry | None, bool]:
         mode: Literal["constant", "circular"] = "circular" if self.padding_mode == "circular" else "constant"
         pads: list[int] = []
         plans: list[ExchangePlan | None] = []
-        out_len, block_len, offsets, spans = [], [], [], []
-        talks = thin = False
+        out_len, mine, blocks, natives = [], [], [], []
         for axis in range(3):
             n, k = dims[axis], self.kernel_size[axis]
             s, d = self.stride[axis], self.dilation[axis]
             left, right = conv_pads(self, axis)
+            natives.append(left)
             m = (n + left + right - d * (k - 1) - 1) // s + 1
             if m < 1:
                 raise SplitError(f"{self.where}: input size {n} along dim {DIM_NAMES[axis]} is smaller "
                                  f"than the kernel's reach {d * (k - 1) + 1} (padding {left}+{right})")
-            spans.append(d * (k - 1) + 1)
             if self.grid.spatial[axis] == 1 and mode == "constant" and left == right:
                 pads.append(left)
                 plans.append(None)
                 out_len.append(m)
-                block_len.append(n)
-                offsets.append(0)
+                mine.append(None)
+                blocks.append((0, n))
                 continue
             bounds = self.output_bounds(axis, n, m)
             windows = sliding_windows(bounds, k, s, d, left)
             plans.append(self.window_plan(axis, n, windows, mode))
             pads.append(0)
-            blocks = block_bounds(n, self.grid.spatial[axis])
             pos = self.grid.coords[axis]
             out_len.append(bounds[pos][1] - bounds[pos][0])
-            block_len.append(blocks[pos][1] - blocks[pos][0])
-            offsets.append(windows[pos][0] - blocks[pos][0])
-            # The path is the same on every rank: the two order the halo reduction and the
-            # weight gradient's all-reduce differently, and mixing them would deadlock.
-            for (c, e), (b0, b1), (lo, hi) in zip(bounds, blocks, windows):
-                i0, i1 = interior(e - c, b1 - b0, lo - b0, s, spans[-1])
-                talks = talks or (lo, hi) != (b0, b1) or mode == "circular"
-                thin = thin or i1 <= i0
-        # Every windowed dim goes through the exchange chain, in the order of the plain path.
-        steps = [(a + 2, p) for a, p in enumerate(plans) if p is not None]
-        oplan = overlap_plan(steps, out_len, block_len, offsets, self.stride, spans) if talks and not thin else None
-        return tuple(pads), plans, oplan
+            mine.append(windows[pos])
+            blocks.append(block_bounds(n, self.grid.spatial[axis])[pos])
+        shell = None
+        if any(p is not None for p in plans):
+            shell = shell_geometry(plans, mine, blocks, natives, out_len, self.kernel_size, self.stride,
+                                   self.dilation)
+        talks = any(p is not None and not p.is_local for p in plans)
+        overlap = self._overlap(shell, x) if talks and shell is not None else False
+        self.overlap_chosen = overlap
+        return tuple(pads), plans, shell, overlap
+
+    def _overlap(self, shell: ShellGeometry, x: torch.Tensor) -> bool:
+        if self.overlap != "auto":
+            return bool(self.overlap)
+        if self.cost_model is None:
+            return False
+        from parallel.plan.cost import overlap_pays
+
+        return overlap_pays(self.cost_model, self, shell, tuple(x.shape))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dims = self.global_dims(x)
-        pads, plans, oplan = self.cached(dims, lambda: self._geometry(dims))  # type: ignore[misc]
-        if self.overlap and oplan is not None and self.window_hook is None:
-            span = tuple(d * (k - 1) + 1 for k, d in zip(self.kernel_size, self.dilation))
-            return OverlapConv.apply(x, self.weight, self.bias, oplan,
-                                     (self.stride, pads, self.dilation, self.groups, span))
+        pads, plans, shell, overlap = self.cached((dims, self.overlap), lambda: self._geometry(dims, x))  # type: ignore[misc]
+        if shell is not None and self.window_hook is None:
+            return ShellConv.apply(x, self.weight, self.bias, shell, (self.stride, self.dilation, self.groups),
+                                   overlap)
         for axis, plan in enumerate(plans):
             if plan is not None:
                 x = fetch(x, axis + 2, plan, 0.0)

@@ -56,7 +56,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--alpha", type=float, default=None, help="network latency, seconds per message")
     p.add_argument("--bandwidth", type=float, default=None, help="network bytes/s per link")
     p.add_argument("--io-bandwidth", type=float, default=None, help="storage bytes/s per rank")
-    p.add_argument("--overlap", action="store_true", help="halo exchanges hidden behind the interior")
+    p.add_argument("--generic", choices=("cpu", "gpu"), default=None,
+                   help="use the built-in figures of this kind of machine instead of a calibration")
+    p.add_argument("--node-ranks", type=int, default=1,
+                   help="ranks sharing one machine's cores (CPU ranks per node; 1: one GPU per rank)")
+    p.add_argument("--overlap", action="store_true", help="halo exchanges beside the block's convolution")
+    p.add_argument("--overlap-auto", action="store_true", help="overlapped per layer where it pays (as "
+                                                                 "parallel.overlap_halo=auto)")
     p.add_argument("--recompute", action="store_true", help="activation checkpointing per block")
     p.add_argument("--optim", choices=["sgd", "adamw", "kfac"], default="sgd",
                    help="optimiser: its state in memory; kfac adds its factor, inverse and "
@@ -82,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"parallel.plan: {err}", file=sys.stderr)
             return 2
     try:
-        m = Machine.load(args.calibration)
+        m = Machine.generic_machine(args.generic) if args.generic else Machine.load(args.calibration)
     except (OSError, ValueError) as err:
         print(f"parallel.plan: {err}", file=sys.stderr)
         return 2
@@ -95,13 +101,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.io_bandwidth is not None:
         m.io_bandwidth = args.io_bandwidth
     opts = Options(global_batch=args.batch or args.devices, stored_bytes_per_voxel=stored,
-                   overlap=args.overlap, recompute=args.recompute,
-                   optimizer_states=2 if args.optim == "adamw" else 1, kfac=kfac)
+                   overlap="auto" if args.overlap_auto else args.overlap, recompute=args.recompute,
+                   optimizer_states=2 if args.optim == "adamw" else 1, kfac=kfac,
+                   node_ranks=args.node_ranks, shard_linear=args.optim != "kfac")
     rows = table(layers, m, args.devices, parse_bytes(args.device_memory), opts)
     if args.json:
         for r in rows:
-            print(json.dumps(r))
+            print(json.dumps({**r, "machine": m.label, "generic": m.generic}))
         return 0
+    print(f"machine: {m.label}")
     print(f"{args.model} {'x'.join(map(str, size))}, {args.devices} devices, global batch {opts.global_batch}, "
           f"memory limit {args.device_memory} per device")
     print(f"{'data':>5} {'spatial':>9} {'step s':>9} {'compute':>9} {'comm':>8} {'mem/rank GiB':>13} "

@@ -18,11 +18,13 @@ class Options:
 
     global_batch: int = 1
     stored_bytes_per_voxel: float = 8.0   # all input channels of one voxel, as stored
-    overlap: bool = False
+    overlap: bool | str = False           # True, False or "auto" (per layer, as parallelize decides)
     recompute: bool = False
     optimizer_states: int = 1             # momentum (SGD) 1, AdamW 2
     act_bytes: int = 4                    # fp32 activations
     kfac: Any = None                      # a parallel.plan.kfac.KFACPlan: K-FAC's work and memory added
+    shard_linear: bool = True             # Flatten+Linear weights sharded by block (as the loop runs them)
+    node_ranks: int = 1                   # ranks sharing one machine's cores (CPU ranks of a node; 1 per GPU)
 
 
 def _peak_activations(kept: list[float], working: list[float], blocks: list[int], recompute: bool) -> float:
@@ -74,21 +76,25 @@ def predict(layers: list[Layer], machine: Machine, data: int, spatial: Sequence[
     s = math.prod(spatial)
     world = data * s
     batch = math.ceil(opts.global_batch / data)
+    busy = min(world, opts.node_ranks) > 1   # ranks computing at once share the cores and memory bandwidth
+    slow = machine.busy_factor if busy else 1.0
     compute = comm = exposed = overhead = 0.0
     measured = 0
     kept: list[float] = []
     working: list[float] = []
     model_input = 0.0
     params = 0
+    sharded = 0.0   # weight elements sharded by block (each rank holds 1/s of them)
     for i, (layer, op) in enumerate(zip(layers, local_ops(layers, spatial))):
         params += layer.params
+        saved_shell = 0.0
         out_local, in_local = op.out_local, op.in_local
         frac = math.prod(out_local) / max(math.prod(layer.out_shape), 1)
         split_layer = s > 1 and any(op.split)
         out_bytes = math.prod(out_local) * opts.act_bytes * batch
         in_bytes = math.prod(in_local) * opts.act_bytes * batch
         # A measured time of this very computation wins; else flops / throughput, bytes / bandwidth.
-        known = machine.layer_seconds.get(op_key(layer, op, batch))
+        known = machine.layer_time(op_key(layer, op, batch), busy)
         if known is not None:
             measured += 1
             compute += known
@@ -99,23 +105,29 @@ def predict(layers: list[Layer], machine: Machine, data: int, spatial: Sequence[
             k = layer.kernel[0] if layer.kernel else 1
             passes = 3.0 if op.input_grad else 2.0   # fwd, weight grad, input grad
             voxels = math.prod(out_local[1:]) * batch
-            t = passes * layer.flops * frac * batch / machine.flops(cin, cout, k, voxels, out_local[1:])
+            t = passes * layer.flops * frac * batch / machine.flops(cin, cout, k, voxels, out_local[1:]) * slow
             if known is None:
                 compute += t
             else:
                 t = known
             if split_layer and layer.kind == "conv":
-                halo_t = 0.0
+                # The block is convolved in place (its time above); each halo piece adds its rows
+                # through the taps that reach it (parallel.layers.shellconv), and only the shell
+                # travels (kept for the backward too).
+                halo_t = extra = 0.0
                 for a, parts in enumerate(spatial):
                     if parts > 1 and layer.halo[a] > 0:
+                        sides = 1 if parts == 2 else 2   # the largest block's rank has one neighbour when 2-way
                         face = in_bytes / in_local[a + 1] * layer.halo[a]
                         halo_t += 2 * (2 * machine.p2p_alpha + 2 * face / machine.p2p_beta)  # fwd + bwd
+                        rows = math.ceil(layer.halo[a] / layer.stride[a]) / max(out_local[a + 1], 1)
+                        extra += sides * rows * min(1.0, layer.halo[a] / max(layer.kernel[a], 1))
+                        saved_shell += sides * face
+                if known is None:  # a measured split conv (calibrate) includes its corrections
+                    compute += t * extra
                 comm += halo_t
-                if opts.overlap:
-                    interior = min(1.0, max(0.0, 1 - 2 * max(layer.halo) / max(min(in_local[1:]), 1)))
-                    exposed += max(0.0, halo_t - t * interior)
-                else:
-                    exposed += halo_t
+                hidden = max(0.0, halo_t - t) + 2 * machine.overlap_overhead
+                exposed += {True: hidden, False: halo_t}.get(opts.overlap, min(hidden, halo_t))  # type: ignore[call-overload]
             elif split_layer:  # transposed conv: partial outputs summed into owners
                 halo_t = 2 * (2 * machine.p2p_alpha + 2 * out_bytes / out_local[1] / machine.p2p_beta)
                 comm += halo_t
@@ -124,13 +136,15 @@ def predict(layers: list[Layer], machine: Machine, data: int, spatial: Sequence[
             if known is None:
                 share = in_local[0] / max(layer.in_shape[0], 1)
                 compute += 3.0 * layer.flops * share * batch / machine.default_conv_flops
+            if op.flat_split and opts.shard_linear and s > 1:  # the weight's block columns per rank
+                sharded += layer.in_shape[0] * layer.out_shape[0]
             if op.flat_split:  # Flatten+Linear partial products: all-reduce, forward and backward
                 nbytes = layer.out_shape[0] * batch * opts.act_bytes
                 t = 2 * (2 * (s - 1) * machine.ar_alpha + 2 * (s - 1) / s * nbytes / machine.ar_beta)
                 comm += t
                 exposed += t
         elif known is None:
-            compute += 3.0 * (in_bytes + out_bytes) / machine.mem_bandwidth
+            compute += 3.0 * (in_bytes + out_bytes) / machine.mem_bandwidth * slow
         if split_layer and layer.kind in ("upsample", "pad", "pool", "gpool"):
             t = _exchange_seconds(layer, op, spatial, machine, opts.act_bytes * batch)
             comm += t
@@ -149,8 +163,7 @@ def predict(layers: list[Layer], machine: Machine, data: int, spatial: Sequence[
             model_input = in_bytes
         elif layer.in_shape != layers[i - 1].out_shape:  # built outside the leaf layers (a concatenation)
             saved += in_bytes
-        if split_layer and layer.kind == "conv":
-            saved += in_bytes
+        saved += saved_shell
         if layer.spec.startswith("MaxPool"):
             saved += math.prod(out_local) * 8 * batch
         kept.append(saved)
@@ -158,14 +171,18 @@ def predict(layers: list[Layer], machine: Machine, data: int, spatial: Sequence[
     act = model_input + _peak_activations(kept, working, [l.block for l in layers], opts.recompute)
     if opts.recompute:
         compute *= 4.0 / 3.0  # one more forward
-    grad_bytes = params * 4
+    # Gradients: a sum over every rank; a sharded weight's columns only a mean over the data group.
+    whole, shard = params - sharded, sharded / s
     allreduce = 0.0
     if world > 1:
-        allreduce = 2 * (world - 1) * machine.ar_alpha + 2 * (world - 1) / world * grad_bytes / machine.ar_beta
+        allreduce = 2 * (world - 1) * machine.ar_alpha + 2 * (world - 1) / world * whole * 4 / machine.ar_beta
+    if data > 1 and shard:
+        allreduce += 2 * (data - 1) * machine.ar_alpha + 2 * (data - 1) / data * shard * 4 / machine.ar_beta
+    rank_params = whole + shard
     # The optimiser reads weights, gradients and its states and writes weights and states.
-    optimizer = params * 4 * (3 + 2 * opts.optimizer_states) / machine.mem_bandwidth
+    optimizer = rank_params * 4 * (3 + 2 * opts.optimizer_states) / machine.mem_bandwidth * slow
     step = compute + exposed + allreduce + overhead + optimizer
-    memory = machine.baseline_memory + params * 4 * (2 + opts.optimizer_states) + act
+    memory = machine.baseline_memory + rank_params * 4 * (2 + opts.optimizer_states) + act
     kfac = opts.kfac.predict(machine, data, spatial, opts.global_batch) if opts.kfac is not None else {}
     step += kfac.get("kfac_s", 0.0)
     memory += kfac.get("kfac_memory_bytes", 0.0)
@@ -175,3 +192,25 @@ def predict(layers: list[Layer], machine: Machine, data: int, spatial: Sequence[
             "activation_bytes": act, "read_bytes": read, "io_s": read / machine.io_bandwidth,
             "measured_layers": measured / max(len(layers), 1)}
 
+
+def overlap_pays(machine: Machine, conv: Any, shell: Any, x_shape: Sequence[int]) -> bool:
+    """``overlap_halo="auto"`` for one split convolution (``parallel.layers.conv``): whether
+    the messages it would hide (``alpha + bytes / beta`` each, forward and backward), up to
+    its block's convolution time, outweigh the overlapped path's hand-off
+    (``machine.overlap_overhead``, twice: forward and backward)."""
+    from parallel.shell import extent
+
+    n, cin = x_shape[0], x_shape[1]
+    elem = 4
+    msgs, nbytes = 0, 0.0
+    for i, st in enumerate(shell.steps):
+        ext = extent(x_shape, shell.steps, i)
+        row = math.prod(ext) / max(ext[st.dim], 1) * elem
+        msgs += len(st.plan.sends) + len(st.plan.recvs)
+        nbytes += row * sum(m for _, pieces in st.plan.sends for _, m in pieces)
+    halo = msgs * machine.p2p_alpha + nbytes / machine.p2p_beta
+    k = conv.kernel_size[0]
+    voxels = math.prod(shell.out_len)
+    flops = 2.0 * cin // conv.groups * math.prod(conv.kernel_size) * conv.out_channels * voxels * n
+    forward = flops / machine.flops(cin, conv.out_channels, k, voxels * n)
+    return min(halo, forward) + min(halo, 2 * forward) > 2 * machine.overlap_overhead

@@ -49,15 +49,17 @@ def auto_spatial(cfg: Any, family: Any, facts: SampleFacts, world_size: int | No
     opts = plan.Options(global_batch=max(1, cfg.train.global_batch_size // cfg.train.accum_steps),
                         stored_bytes_per_voxel=facts.stored_bytes_per_voxel, overlap=cfg.parallel.overlap_halo,
                         recompute=cfg.train.activation_checkpointing,
-                        optimizer_states=2 if str(cfg.optim.name) == "adamw" else 1)
+                        optimizer_states=2 if str(cfg.optim.name) == "adamw" else 1,
+                        node_ranks=1 if torch.cuda.is_available() else local_size,
+                        shard_linear=str(cfg.optim.name) != "kfac")
     if str(cfg.optim.name) == "kfac":  # its factor work, all-reduces and memory count too
         from parallel.plan.kfac import KFACPlan
 
         opts.kfac = KFACPlan(model, (facts.channels, *facts.volume), cfg.optim.kfac)
     calibration = plan.default_calibration()
-    if not calibration.is_file():
-        log.warning(
-            "parallel.spatial=auto: no calibration at %s; using built-in figures (write one with "
-            "'python scripts/benchmark.py calibrate', or point SPATIALCNN_CALIBRATION at one)", calibration)
-    spatial = plan.choose(layers, plan.Machine.load(), world, _memory_per_rank(cfg, local_size), opts)
+    machine = plan.Machine.load()
+    if machine.generic:
+        log.warning("parallel.spatial=auto: no calibration at %s; planning with %s (or point "
+                    "SPATIALCNN_CALIBRATION at one)", calibration, machine.label)
+    spatial = plan.choose(layers, machine, world, _memory_per_rank(cfg, local_size), opts)
     return list(spatial)

@@ -143,9 +143,10 @@ class ParallelConfig:
     ``auto``: the split ``python -m parallel.plan`` predicts fastest among those that fit."""
     device_memory_gb: float = 0.0
     """Memory per rank that ``spatial=auto`` may plan for (0: the GPU's, or host RAM / local ranks)."""
-    overlap_halo: bool = False
-    """Hide convolutions' halo exchanges behind their interiors, forward and backward (pays
-    where exchanges are slow next to compute; on CPUs it costs more than it hides)."""
+    overlap_halo: Any = False
+    """Run each split conv's halo exchange beside its block's convolution, forward and backward:
+    ``true``, ``false``, or ``auto`` (per layer, where the calibration says the messages take
+    longer than handing them to the halo thread; ``docs/performance.md``)."""
     timeout_s: float = 600.0
     """Bound on every collective, and how long a silent peer may go without a heartbeat:
     a dead or hung peer ends the job instead of hanging it."""

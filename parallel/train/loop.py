@@ -74,9 +74,13 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)  # the same initial weights at every grid
         self.model = family.build_model(cfg.model, self.data.volume)
         serial = verification.serial_copy(cfg, self.model, grid)  # before parallelize converts the model
+        # Flatten+Linear weights sharded by block, except under K-FAC, which preconditions the
+        # whole weight (a sharded one would take the plain update, unlike the serial run).
         self.pmodel = parallel.parallelize(self.model, grid, seed=cfg.train.seed,
                                            overlap_halo=cfg.parallel.overlap_halo,
-                                           recompute=cfg.train.activation_checkpointing)
+                                           recompute=cfg.train.activation_checkpointing,
+                                           input_shape=(facts.channels, *self.data.volume),
+                                           shard_linear=str(cfg.optim.name) != "kfac")
         verification.run(serial, self.pmodel, cfg, grid, self.data.volume, facts.channels)  # parallel.verify
         del serial
         torch.manual_seed(cfg.train.seed + 7919 * (grid.rank + 1))  # per-rank dropout stream

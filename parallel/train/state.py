@@ -119,8 +119,13 @@ class TrainState:
 
     def state_dict(self, grid: Grid) -> dict[str, Any]:
         """The checkpoint payload (plain tensors and values: loads with ``weights_only``)."""
+        from parallel.layers.linear import gather_optimizer_state
+
         p = self.progress
-        out: dict[str, Any] = {k: c.state_dict() if c is not None else {} for k, c in self._components().items()}
+        # Sharded Linear weights (parallel.layers.linear) come back whole: collectives, as are
+        # the model's hooks, so every rank calls this.
+        out: dict[str, Any] = {k: gather_optimizer_state(c, self.model) if k == "optimizer" else
+                               c.state_dict() if c is not None else {} for k, c in self._components().items()}
         out.update(p.state_dict())
         out["sampler"] = {"epoch": p.epoch, "step": p.step - p.epoch * self.steps_per_epoch}
         out["meta"] = {**self.meta, "spatial": list(grid.spatial), "world_size": grid.world_size}
@@ -129,11 +134,16 @@ class TrainState:
     def load_state_dict(self, ckpt: dict[str, Any], path: str | Path) -> None:
         """Restore from checkpoint ``ckpt`` (read from ``path``); ``CheckpointError`` when it
         was written for another model or does not fit this one."""
+        from parallel.layers.linear import cut_optimizer_state
+
         checkpoint.check_matches(ckpt, self.meta, path)
         try:
             for key, component in self._components().items():
                 if component is not None and (key != "scaler" or ckpt.get(key)):
-                    component.load_state_dict(ckpt[key])
+                    value = ckpt[key]
+                    if key == "optimizer":  # whole state of sharded weights: this rank's columns
+                        value = cut_optimizer_state(value, self.optimizer, self.model)
+                    component.load_state_dict(value)
         except (RuntimeError, KeyError, ValueError) as err:
             raise checkpoint.CheckpointError(f"checkpoint {path} does not fit this model: {err}") from err
         self.progress.load_state_dict(ckpt)

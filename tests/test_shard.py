@@ -1,0 +1,37 @@
+"""Flatten+Linear weights sharded by block: each rank keeps its columns (weight, gradient,
+optimiser state), the numbers equal the serial model's (float64, several grids), and the
+state holds the serial tensors, gathered on save and cut on load at any grid."""
+
+import math
+
+import pytest
+
+import shard_cases
+
+SHAPE, UNEVEN = shard_cases.SHAPE, (2, 4, 3, 7)   # without the pool, W = 7 splits 3 ways as 3, 2, 2
+GRIDS = [((2, 1, 1), 1, SHAPE, True), ((1, 2, 2), 1, SHAPE, True), ((2, 1, 1), 2, SHAPE, True),
+         ((1, 1, 3), 1, UNEVEN, False)]
+
+
+@pytest.mark.parametrize("spatial,data,shape,pool", GRIDS, ids=["D2", "H2xW2", "D2-data2", "W3-uneven"])
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+def test_sharded_training_equals_serial(pools, spatial, data, shape, pool, optim):
+    world = math.prod(spatial) * data
+    results = pools.run(world, shard_cases.training_equals_serial, optim, shape, pool, spatial=spatial)
+    split = math.prod(spatial)
+    for r in results:
+        # the weight and the optimiser's per-element state per rank: about 1/split of the columns
+        assert r["weight"] == [5, r["columns"]]
+        assert all(s == r["weight"] for s in r["grad_or_state"]) and r["grad_or_state"], r
+        assert r["columns"] <= math.ceil(r["in_features"] / split * 1.5)
+    assert sum(r["columns"] for r in results[:split]) == results[0]["in_features"]
+
+
+@pytest.mark.parametrize("spatial", [(2, 1, 1), (1, 2, 2)], ids=["D2", "H2xW2"])
+def test_whole_state_loads_as_the_shard_and_trains_on_equal(pools, spatial):
+    pools.run(math.prod(spatial), shard_cases.load_any_grid_state, spatial=spatial)
+
+
+def test_kfac_leaves_a_sharded_linear_to_the_plain_update(pools):
+    logged = pools.run(2, shard_cases.kfac_leaves_the_shard, spatial=(2, 1, 1))
+    assert any("sharded by block" in line for line in logged[0]), logged[0]
