@@ -42,7 +42,7 @@ COMMAND = re.compile(r"^(python3?|torchrun|mpirun|mpiexec|srun|sbatch|bash|scrip
 
 COSMO_SMALL = "train.max_steps=2 train.global_batch_size=4 model.conv_filters=4 run.progress=false"
 UNET_SMALL = ("train.max_steps=2 train.global_batch_size=2 model.base_filters=4 model.max_filters=16 "
-              "data.crop=[32,32,32] run.progress=false")
+              "data.crop=[64,64,64] run.progress=false")
 QUICK = "train.max_steps=2 run.progress=false"
 
 # name -> (model, size, train, val): generated in the scratch folder before a command needs them
@@ -106,6 +106,11 @@ RULES = [
     Rule(r"^python -m cosmoflow\.train ", "ci", "2 steps of a 4-filter network", append=COSMO_SMALL),
     Rule(r"torchrun .*-m cosmoflow\.train --config-name quickstart", "all", "2 steps", append=QUICK),
     Rule(r"torchrun .*-m cosmoflow\.train ", "all", "2 steps of a 4-filter network", append=COSMO_SMALL),
+    Rule(r"-m unet3d\.train .*model\._target_=monai\.", "all", "2 steps of the MONAI network on 32^3 crops of data/kits",
+         sub=((r"--config-name quickstart", "--config-name quickstart data.dir=data/kits"),),
+         append="train.max_steps=2 train.global_batch_size=2 data.crop=[32,32,32] run.progress=false"),
+    Rule(r"^python -m unet3d\.predict --run-dir runs/kits ", "all",
+         "the README's mpirun run above (2 steps) segments data/kits's val cases"),
     Rule(r"^mpirun -n 4 python -m unet3d\.train ", "ci", "2 steps of a small U-Net on 32^3 crops",
          append=UNET_SMALL),
     Rule(r"^mpirun -n 8 python -m unet3d\.train ", "all", "2 steps of a small U-Net on data/kits",
