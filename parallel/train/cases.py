@@ -119,13 +119,22 @@ class Strides:
         except (ValueError, TypeError) as err:  # the model's own checks of its volume
             return [f"{what}: {err}"]
         from parallel.plan.trace import trace
+        from parallel.train.preflight import InputError, _norm_check
 
+        entered: list = []  # a norm layer left with one voxel is named (preflight's hook)
+        hooks = [m.register_forward_pre_hook(_norm_check(name, f"a volume of {list(volume)}", None, entered))
+                 for name, m in model.named_modules() if not list(m.children())]
         try:
             layers = trace(model, (self.channels, *volume))
-        except ValueError as err:  # torch's own refusal, e.g. a norm left with one voxel
+        except InputError as err:
+            return [f"{what}: {err}"]
+        except ValueError as err:  # torch's own refusal
             return [f"{what}: the network cannot run on {list(volume)}: {err}"]
         except (NotImplementedError, RuntimeError):
             return []  # a model the meta device cannot run: the first step will tell
+        finally:
+            for h in hooks:
+                h.remove()
         if self.grid.spatial_size == 1:
             return []
         strided = [ly for ly in layers if ly.kind in ("conv", "pool") and len(ly.in_shape) == 4]
