@@ -40,7 +40,7 @@ DOCS = ("README.md", "docs/*.md")
 LINKED = ("configs", "cosmoflow", "unet3d", "parallel", "scripts", "tests", "docs", "README.md", "pyproject.toml")
 COMMAND = re.compile(r"^(python3?|torchrun|mpirun|mpiexec|srun|sbatch|bash|scripts/|[A-Z_][A-Z0-9_]*=\S*\s)")
 
-COSMO_SMALL = "train.max_steps=2 train.global_batch_size=4 model.conv_filters=4 run.progress=false"
+COSMO_SMALL = "train.max_steps=2 train.global_batch_size=4 model.conv_filters=4 sched.warmup_epochs=0 run.progress=false"
 UNET_SMALL = ("train.max_steps=2 train.global_batch_size=2 model.base_filters=4 model.max_filters=16 "
               "data.crop=[64,64,64] run.progress=false")
 QUICK = "train.max_steps=2 run.progress=false"

@@ -30,6 +30,7 @@ TIERS = {
     "test_comm_adjoint": "ranks",
     "test_comm_layer": "unit",
     "test_layout": "unit",
+    "test_kernels_low_precision": "unit",
     "test_gpu_check": "launch",
     "test_public_api": "launch",
     "test_rng_restore": "unit",

@@ -10,6 +10,12 @@ block laid out with D last goes to oneDNN. The boundary slabs of the overlapped
 convolution are thinner still. These functions permute such blocks so that the two
 largest dims come first (a convolution's sums do not depend on the order of its spatial
 dims) and permute the results back (views; no copy of the output).
+
+On CPUs, torch 2.13's bfloat16/float16 convolution backward returns a wrong weight
+gradient (finite garbage up to ~1e36) when a spatial dim of the input is shorter than the
+kernel's reach (2 rows, kernel 3, padding 1: a plain ``nn.Conv3d`` under autocast does it
+too). Split blocks and the shell's corrections are that thin, so ``conv3d_backward``
+computes such cases in float32 and rounds the gradients back (``_cpu_low_precision_thin``).
 """
 
 from __future__ import annotations
@@ -56,10 +62,19 @@ def conv3d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, str
     return y.permute(inverse)
 
 
+def _cpu_low_precision_thin(x: torch.Tensor, weight: torch.Tensor, dilation: Sequence[int]) -> bool:
+    """A CPU bfloat16/float16 input with a spatial dim shorter than the kernel's reach."""
+    return (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
+            and any(n < dilation[a] * (weight.shape[2 + a] - 1) + 1 for a, n in enumerate(x.shape[2:])))
+
+
 def conv3d_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int],
                     padding: Sequence[int], dilation: Sequence[int], groups: int,
                     need: tuple[bool, bool]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Input and weight gradients of ``conv3d`` (no bias), thin CPU blocks reordered."""
+    if _cpu_low_precision_thin(x, weight, dilation):  # torch's wrong CPU kernel (module docstring)
+        gi, gw = conv3d_backward(grad.float(), x.float(), weight.float(), stride, padding, dilation, groups, need)
+        return (None if gi is None else gi.to(x.dtype)), (None if gw is None else gw.to(weight.dtype))
     order = thin_order(x, weight, groups)
     if order is None:
         gi, gw, _ = torch.ops.aten.convolution_backward(

@@ -170,11 +170,20 @@ def _out_lengths(fix: Correction, geo: ShellGeometry) -> list[int | None]:
     return [None if b + 2 == fix.dim else geo.out_len[b] for b in range(3)]
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+def _compute_dtype(x: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
+    """(the dtype autocast rounds inputs to, the dtype the sums run in).
+
+    On CPUs a bfloat16/float16 convolution is summed in float32 from the rounded inputs
+    and rounded once at the end, as torch's own does: the block's convolution and the
+    shell's corrections rounded apart and added in bfloat16 round boundary voxels up to
+    three times, which a network of norms over few voxels amplifies (the self-check's
+    network: 0.11 relative on the input gradient against 0.05 allowed). On GPUs the
+    low-precision kernels are kept (their speed is the point of them)."""
     kind = x.device.type
-    if torch.is_autocast_enabled(kind):
-        return torch.get_autocast_dtype(kind)
-    return x.dtype
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+    if kind == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        return dtype, torch.float32
+    return dtype, dtype
 
 
 class ShellConv(torch.autograd.Function):
@@ -185,11 +194,11 @@ class ShellConv(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 geo: ShellGeometry, conv: tuple, overlap: bool) -> torch.Tensor:
         stride, dilation, groups = conv
-        dtype = _compute_dtype(x)
+        dtype, work = _compute_dtype(x)
         dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         with torch.autocast(x.device.type, enabled=False):
-            x, weight = x.detach().to(dtype), weight.detach().to(dtype)
-            bias = None if bias is None else bias.detach().to(dtype)
+            x, weight = x.detach().to(dtype).to(work), weight.detach().to(dtype).to(work)
+            bias = None if bias is None else bias.detach().to(dtype).to(work)
             pending = in_background(fetch_shell, x, geo.steps) if overlap else None
             try:
                 shell = fetch_shell(x, geo.steps) if pending is None else None
@@ -207,7 +216,7 @@ class ShellConv(torch.autograd.Function):
         ctx.save_for_backward(x, weight, *(t for pair in shell for t in pair))
         ctx.geo, ctx.conv, ctx.dtypes, ctx.has_bias, ctx.overlap = geo, conv, dtypes, bias is not None, overlap
         ctx.y_shape = tuple(y.shape)
-        return out
+        return out.to(dtype)  # rounded once, as torch rounds its own
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
