@@ -13,6 +13,8 @@ if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
     exit 0
 fi
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=scripts/setup.sh
+source scripts/setup.sh
 OUT=${1:-runs/perf_pass/$(date +%Y-%m-%d_%H-%M-%S)}
 mkdir -p "$OUT"
 export OMP_NUM_THREADS=1
