@@ -131,6 +131,8 @@ RULES = [
     Rule(r"^python -m parallel\.plan .*--alpha", "all", "the same tool as README's plan command, which CI runs"),
     Rule(r"^python -m parallel\.plan ", "ci"),
     Rule(r"^python scripts/benchmark\.py ", "all", "as written (minutes each)", timeout=3600),
+    Rule(r"^python scripts/compare_optim\.py ", "all", "as written: the sweep and the 12 runs take 15-30 minutes each",
+         timeout=3600),
     Rule(r"scripts/perf_pass\.sh", "all", "the whole pass as written (about 15 minutes)", timeout=3600),
 ]
 
