@@ -35,7 +35,7 @@ BIN = Path(sys.executable).parent
 
 # How scripts/quickstart.sh generates each family's synthetic set.
 DATA = {"cosmoflow": ["--size", "32", "--train", "2048", "--val", "128", "--samples-per-file", "16"],
-        "unet3d": ["--size", "32", "--train", "64", "--val", "16"]}
+        "unet3d": ["--size-range", "32,48", "--crop", "32", "--train", "64", "--val", "16"]}
 TARGET = {"cosmoflow": ("val_mae", "min", 0.124), "unet3d": ("val_mean_dice", "max", 0.908)}
 
 # The K-FAC settings the sweep chose (docs/kfac.md#does-it-pay); SGD is the quickstart as it is.
