@@ -64,6 +64,11 @@ class GradSync:
         self._handles = [p.register_post_accumulate_grad_hook(self._ready) for _, p in named]
         self._reset()
 
+    def drop_buffers(self) -> None:
+        """Forget the flat gradient buffers (after the parameters changed dtype or device):
+        the next forward allocates them anew from the parameters."""
+        self.flats = [None] * len(self.buckets)
+
     def _reset(self) -> None:
         self.pending = [len(b) for b in self.buckets]
         self.ready: set[int] = set()

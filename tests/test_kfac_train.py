@@ -7,18 +7,15 @@ grid continues the serial trajectory at another; the checkpoint loads with
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from train_helpers import REPO, env, launch, max_rel_diff, prepare, weights
+from train_helpers import REPO, env, kill_after_checkpoint, launch, max_rel_diff, prepare, weights
 
 # Factors every 2 steps and eigendecompositions every 4, so that a resume lands between
 # updates of both; float64 factors keep the cross-grid comparison at summation rounding.
@@ -34,12 +31,6 @@ def data(tmp_path_factory):
     return prepare("cosmoflow", tmp_path_factory.mktemp("cosmo16"), 16, 16, 4)
 
 
-def _step(path: Path) -> int:
-    try:
-        return int(torch.load(path, weights_only=True)["step"])
-    except (FileNotFoundError, RuntimeError, EOFError, KeyError):
-        return -1
-
 
 def _kfac_state(path: Path) -> dict:
     return torch.load(path, weights_only=True)["optimizer"]["kfac"]
@@ -54,16 +45,7 @@ def test_kill_and_resume_with_kfac_gives_uninterrupted_weights(data, tmp_path):
 
     cut = tmp_path / "cut"
     ckpt = cut / "checkpoints" / "last.pt"
-    proc = subprocess.Popen([sys.executable, "-m", "cosmoflow.train", *args, f"run.dir={cut}"], env=env(),
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 180
-        while _step(ckpt) < 5 and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        os.killpg(proc.pid, signal.SIGKILL)
-    finally:
-        proc.wait(timeout=30)
-    at_kill = _step(ckpt)
+    at_kill = kill_after_checkpoint("cosmoflow", args, cut, 5)
     total = 8 * 4
     assert 0 < at_kill < total, f"the kill should land between checkpoints, last.pt was at step {at_kill}"
     assert at_kill % 4, f"resume at step {at_kill}: pick a kill point between inverse updates"

@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from train_helpers import REPO, env, launch, prepare, weights
+from train_helpers import kill_after_checkpoint, launch, prepare, weights
 
 TINY = ["--config-name", "quickstart", "train.global_batch_size=4", "model.conv_filters=4",
         "model.n_conv_blocks=2", "model.dense_sizes=[16]", "model.input_shift=3.8", "model.input_scale=2.0",
@@ -25,12 +21,6 @@ def data(tmp_path_factory):
     return prepare("cosmoflow", tmp_path_factory.mktemp("cosmo16"), 16, 16, 8)
 
 
-def _step(path: Path) -> int:
-    try:
-        return int(torch.load(path, weights_only=True)["step"])
-    except (FileNotFoundError, RuntimeError, EOFError, KeyError):
-        return -1
-
 
 def test_kill_and_resume_gives_uninterrupted_weights(data, tmp_path):
     # Dropout on: the resumed run must also restore every RNG stream to match.
@@ -41,16 +31,7 @@ def test_kill_and_resume_gives_uninterrupted_weights(data, tmp_path):
 
     cut = tmp_path / "cut"
     ckpt = cut / "checkpoints" / "last.pt"
-    proc = subprocess.Popen([sys.executable, "-m", "cosmoflow.train", *args, f"run.dir={cut}"], env=env(),
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 180
-        while _step(ckpt) < 4 and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        os.killpg(proc.pid, signal.SIGKILL)
-    finally:
-        proc.wait(timeout=30)
-    at_kill = _step(ckpt)
+    at_kill = kill_after_checkpoint("cosmoflow", args, cut, 4)
     total = 12 * 4
     assert 0 < at_kill < total, f"the kill should land between checkpoints, last.pt was at step {at_kill}"
     assert not (cut / "summary.json").exists()

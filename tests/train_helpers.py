@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -69,3 +71,27 @@ def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], floor: 
         d = ((a[k] - b[k]).abs().max() / a[k].abs().max().clamp(min=floor)).item()
         worst = max(worst, (d, k))
     return worst
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step a checkpoint file holds, or -1 while it is missing or half written."""
+    try:
+        return int(torch.load(path, weights_only=True)["step"])
+    except (FileNotFoundError, RuntimeError, EOFError, KeyError):
+        return -1
+
+
+def kill_after_checkpoint(model: str, overrides: Sequence[str], run_dir: Path, step: int) -> int:
+    """Train in one process and ``kill -9`` it once ``run_dir``'s last checkpoint holds
+    ``step`` or later; returns the step the checkpoint holds after the kill."""
+    ckpt = run_dir / "checkpoints" / "last.pt"
+    proc = subprocess.Popen([sys.executable, "-m", f"{model}.train", *overrides, f"run.dir={run_dir}"], env=env(),
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while checkpoint_step(ckpt) < step and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    return checkpoint_step(ckpt)

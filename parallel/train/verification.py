@@ -121,8 +121,8 @@ def _in_float64(serial: nn.Module, pmodel: ParallelModule) -> Iterator[None]:
     finally:
         pmodel.float()
         serial.float()
-        if pmodel.sync is not None:  # gradient buckets are allocated per dtype at the next forward
-            pmodel.sync.flats = [None] * len(pmodel.sync.buckets)
+        if pmodel.sync is not None:  # its float64 buffers: the next forward allocates float32 ones
+            pmodel.sync.drop_buffers()
 
 
 def run(serial: nn.Module | None, pmodel: ParallelModule, cfg: Any, grid: Grid, volume: Sequence[int],
