@@ -226,22 +226,18 @@ class ShellConv(torch.autograd.Function):
         shell = [(flat[2 * i], flat[2 * i + 1]) for i in range(len(flat) // 2)]
         grad = grad.to(x.dtype)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        gw = torch.zeros_like(weight) if need_w else None
         gshell = [(torch.zeros_like(a), torch.zeros_like(b)) for a, b in shell] if need_x else None
-        # The shell's corrections first: their input gradients go back to their owners while
-        # the block's backward runs (overlapped), their weight gradients into their taps.
-        for fix in geo.corrections:
-            inp, w = _correction_input(fix, shell, weight)
-            g = grad.narrow(fix.dim, fix.out_rows[0], fix.out_rows[1] - fix.out_rows[0])
-            full = list(g.shape)
-            for b in range(3):
-                if b + 2 != fix.dim:
-                    full[b + 2] = _conv_len(inp.shape[b + 2], fix.pads[b], w.shape[b + 2], stride[b], dilation[b])
-            gi, gwp = conv3d_backward(_uncrop(g.contiguous(), full, fix.offsets), inp, w, stride, fix.pads,
-                                      dilation, groups, (need_x, need_w))
-            if gw is not None and gwp is not None:
-                gw.narrow(fix.dim, fix.taps[0], fix.taps[1] - fix.taps[0]).add_(gwp)
-            if gshell is not None and gi is not None:
+        # The shell's input gradients first: they go back to their owners while the block's
+        # backward runs (overlapped). The block's weight gradient is then the accumulator the
+        # corrections' weight gradients are added into, tap by tap (no zeroed weight-sized
+        # buffer beside it: for a 512x256x3^3 conv that is 14 MB at the peak). Gradients keep
+        # their strides (a reordered thin block's gradient is contiguous once permuted back).
+        fixes = [(fix, *_correction_input(fix, shell, weight)) for fix in geo.corrections]
+        if gshell is not None:
+            for fix, inp, w in fixes:
+                gi, _ = conv3d_backward(_correction_grad(grad, fix, geo, inp, w, stride, dilation), inp, w, stride,
+                                        fix.pads, dilation, groups, (True, False))
+                assert gi is not None
                 gi = gi.narrow(fix.dim, fix.zeros[0], fix.rows[1] - fix.rows[0])
                 piece = _narrowed(gshell[fix.level][fix.side].narrow(fix.dim, fix.rows[0], fix.rows[1] - fix.rows[0]),
                                   fix.narrow)
@@ -253,21 +249,36 @@ class ShellConv(torch.autograd.Function):
             else:
                 adds = reduce_shell(gshell, geo.steps, tuple(x.shape))
         try:
-            gi, gwm = conv3d_backward(_uncrop(grad.contiguous(), ctx.y_shape, geo.offsets), _narrowed(x, geo.core),
-                                      weight, stride, geo.pads, dilation, groups, (need_x, need_w))
+            gi, gw = conv3d_backward(_uncrop(grad, ctx.y_shape, geo.offsets), _narrowed(x, geo.core),
+                                     weight, stride, geo.pads, dilation, groups, (need_x, need_w))
         finally:
             if pending is not None:
                 adds = pending.result()
+        if gw is not None:
+            for fix, inp, w in fixes:
+                _, gwp = conv3d_backward(_correction_grad(grad, fix, geo, inp, w, stride, dilation), inp, w, stride,
+                                         fix.pads, dilation, groups, (False, True))
+                gw.narrow(fix.dim, fix.taps[0], fix.taps[1] - fix.taps[0]).add_(gwp)
         gx = None
         if need_x:
             gx = gi if all(c is None for c in geo.core) else _embed(gi, x, geo.core)
             for idx, t in adds or ():
                 gx[idx] += t
             gx = gx.to(ctx.dtypes[0])
-        if gw is not None and gwm is not None:
-            gw.add_(gwm)
         gb = grad.sum((0, 2, 3, 4)).to(ctx.dtypes[2]) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return gx, (gw.to(ctx.dtypes[1]) if gw is not None else None), gb, None, None, None
+
+
+def _correction_grad(grad: torch.Tensor, fix: Correction, geo: ShellGeometry, inp: torch.Tensor, w: torch.Tensor,
+                     stride: Sequence[int], dilation: Sequence[int]) -> torch.Tensor:
+    """The output gradient one correction's convolution sees: the rows it wrote, in zeros
+    where its padding made rows the crop dropped."""
+    g = grad.narrow(fix.dim, fix.out_rows[0], fix.out_rows[1] - fix.out_rows[0])
+    full = list(g.shape)
+    for b in range(3):
+        if b + 2 != fix.dim:
+            full[b + 2] = _conv_len(inp.shape[b + 2], fix.pads[b], w.shape[b + 2], stride[b], dilation[b])
+    return _uncrop(g, full, fix.offsets)
 
 
 def _conv_len(n: int, pad: int, k: int, s: int, d: int) -> int:
