@@ -109,6 +109,35 @@ def test_uneven_split_reads_the_right_block(tmp_path: Path) -> None:
             np.testing.assert_array_equal(ds[i]["target"].numpy(), tgt[i])
 
 
+def test_a_file_rewritten_after_its_handle_closed_is_read_afresh(tmp_path: Path) -> None:
+    """The reader keeps each open file's datasets and block hyperslabs (looked up once per
+    handle); a handle evicted by ``max_open_files`` drops them, so a file replaced with
+    another layout (other chunks, other offsets) is read as it is now, not as it was."""
+    rng = np.random.default_rng(3)
+    grid = Grid(spatial=(2, 2, 1), world_size=4, rank=3)
+    paths = [tmp_path / "a.h5", tmp_path / "b.h5"]
+
+    def write(path: Path, splits: list[tuple[int, int, int]]) -> np.ndarray:
+        vol = rng.integers(0, 1000, size=(1, 4, 32, 32, 32), dtype=np.int16)
+        tgt = rng.uniform(-1, 1, size=(1, 4)).astype(np.float32)
+        write_samples(path, cosmo_fields.SPEC, {"volume": vol, "target": tgt}, splits=splits, codec="none")
+        return vol[0][(slice(None),) + grid.block_slices((32, 32, 32))]
+
+    first = write(paths[0], [(2, 2, 1)])
+    other = write(paths[1], [(2, 2, 1)])
+    ds = BlockDataset(paths, grid=grid, max_open_files=1)
+    np.testing.assert_array_equal(ds[0]["volume"].numpy(), first)
+    np.testing.assert_array_equal(ds[0]["volume"].numpy(), first)  # from the kept layout
+    np.testing.assert_array_equal(ds[1]["volume"].numpy(), other)  # evicts a.h5's handle and layout
+    with h5py.File(paths[0], "r") as f:
+        chunks_before = f["volume"].chunks
+    second = write(paths[0], [(4, 1, 1), (1, 1, 8)])
+    with h5py.File(paths[0], "r") as f:
+        assert f["volume"].chunks != chunks_before
+    np.testing.assert_array_equal(ds[0]["volume"].numpy(), second)
+    ds.close()
+
+
 def test_many_samples_per_file_and_many_files(tmp_path: Path) -> None:
     for first in (0, 3):
         write_synthetic(tmp_path / f"s{first}.h5", 7, 0, first, 3, 16, "lz4", SPLITS)
