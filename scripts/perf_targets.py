@@ -67,6 +67,12 @@ def main(argv: list[str]) -> int:
         sign = "<=" if goal == "max" else ">="
         print(f"| {label} | {value:.3f} | {sign} {target} | {'yes' if met else '**no**'} | `{command}` | "
               f"{', '.join(loads)} |")
+    floors = [(s["spatial"], s[k]) for s in summaries(out, "step") for k in ("cosmoflow_floor2_over_serial",)
+              if s.get(k) is not None]
+    if floors:
+        print("\nThe floor of the CosmoFlow step ratio on this machine (both ranks running the plain model "
+              "on a block-sized volume at once, no communication), per grid: "
+              + ", ".join(f"{'x'.join(map(str, sp))} {v:.3f}" for sp, v in floors))
     io = summaries(out, "io")
     if io:
         s = io[-1]

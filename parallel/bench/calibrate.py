@@ -65,15 +65,20 @@ def _median(fn: Callable[[], None], trials: int, device: torch.device = CPU) -> 
     return statistics.median(_trials(fn, trials, device))
 
 
-def _together(fn: Callable[[], None], trials: int, device: torch.device, group: Any) -> float:
-    """Median over trials of the slowest rank's seconds, every trial started by a barrier."""
+def _together(fn: Callable[[], None], trials: int, device: torch.device, group: Any, slowest: bool = True) -> float:
+    """Median over trials of the slowest rank's seconds (``slowest``: a split layer, whose
+    exchanges make every rank wait for the last) or of the ranks' mean (a whole layer of a
+    data-parallel step, where nothing waits until the gradient all-reduce: a sum of
+    per-layer maxima would add every layer's jitter), every trial started by a barrier."""
     fn()
     times = []
     for _ in range(trials):
         comm.barrier(group, caller="calibrate: busy layers")
         times.append(dev.seconds(fn, device))
     t = torch.tensor(times, dtype=torch.float64, device=device)
-    comm.all_reduce_(t, group, "max", caller="calibrate: busy layers")
+    comm.all_reduce_(t, group, "max" if slowest else "sum", caller="calibrate: busy layers")
+    if not slowest:
+        t /= comm.group_size(group)
     return statistics.median(t.tolist())
 
 
@@ -225,7 +230,8 @@ def layer_seconds(layers: list[Layer], cases: Sequence[tuple[Sequence[int], int]
                 if grad is not None and y.requires_grad:
                     y.backward(grad)
 
-            out[key] = _median(step, trials, device) if group is None else _together(step, trials, device, group)
+            out[key] = _median(step, trials, device) if group is None else \
+                _together(step, trials, device, group, slowest=any(op.split))
     return out
 
 

@@ -53,8 +53,10 @@ class Stepper:
 
 def step_times(grid: Grid, name: str, size: Sequence[int], overrides: Sequence[str], batch: int,
                trials: int, weak_size: Sequence[int] | None, overlap: bool | str) -> dict[str, Any]:
-    """On a 2-rank world: serial (rank 0 alone, one thread), spatial 2, data 2, and (weak
-    scaling) spatial 2 on a volume twice as deep, in interleaved trials."""
+    """On a 2-rank world: serial (rank 0 alone, one thread), spatial 2, data 2, (weak
+    scaling) spatial 2 on a volume twice as deep, and the floor of spatial 2 (both ranks
+    running the plain model on a block-sized volume, no communication), in interleaved
+    trials."""
     world = grid.world_group
     serial_grid = Grid(spatial=(1, 1, 1), world_size=1, rank=0, device=grid.device)
     data_grid = Grid.from_world((1, 1, 1))
@@ -66,6 +68,11 @@ def step_times(grid: Grid, name: str, size: Sequence[int], overrides: Sequence[s
         steppers["data2"] = Stepper(data_grid, name, size, overrides, batch)
     if weak_size is not None:
         steppers["spatial2_weak"] = Stepper(grid, name, weak_size, overrides, batch, overlap=overlap)
+    # The floor of spatial 2 on this machine: each rank runs the plain model on a volume the
+    # size of its block, both at once, with no communication at all (what the split step
+    # would take if halos, corrections and the gradient all-reduce cost nothing).
+    block = [n // s for n, s in zip(size, grid.spatial)]
+    steppers["floor2"] = Stepper(serial_grid, name, block, overrides, batch)
     times = interleaved({k: s.step for k, s in steppers.items()}, trials, warmup=1, group=world)
     out: dict[str, Any] = {"seconds": {k: median(v) for k, v in times.items()},
                            "best_seconds": {k: min(v) for k, v in times.items()}}
@@ -74,6 +81,7 @@ def step_times(grid: Grid, name: str, size: Sequence[int], overrides: Sequence[s
         out["strong_ratio_data2"] = ratio(times["data2"], times["serial"])
     if "spatial2_weak" in times:
         out["weak_efficiency_spatial2"] = 1.0 / ratio(times["spatial2_weak"], times["serial"])
+    out["floor_ratio_spatial2"] = ratio(times["floor2"], times["serial"])
     return out
 
 
