@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -44,15 +45,23 @@ def test_step_measures_and_predicts_every_grid(tmp_path: Path):
     assert rows[-1]["plot"] == str(tmp_path / "step.png") and _is_png(tmp_path / "step.png")
     step = rows[0]
     grids = {"serial", "spatial2", "data2", "spatial2_weak"}
-    assert set(step["measured_best_s"]) == grids and set(step["predicted_s"]) == grids
+    # Every grid is measured and predicted; the floor (no communication) is measured only.
+    assert set(step["measured_best_s"]) == set(step["measured_median_s"]) == grids | {"floor2"}
+    assert set(step["predicted_s"]) == set(step["prediction_error"]) == grids
     assert all(v > 0 for v in step["predicted_s"].values())
     assert all(v > 0 for v in step["measured_best_s"].values())
+    assert rows[-1]["cosmoflow_floor2_over_serial"] == step["floor_ratio_spatial2"] > 0
     saved = json.loads(cal.read_text())
     # Both blocks (serial and split along D) and both local batches (2, and 1 for data 2) were timed.
     keys = saved["layer_seconds"]
     assert any("in 2x4x8x8x8 | split 000" in k for k in keys) and any("in 1x4x8x8x8 | split 000" in k for k in keys)
     assert any("in 2x4x4x8x8 | split 100" in k for k in keys)
+    # Errors against the median step (the calibration's times are medians), and the best's beside them.
+    errors = {k: step["predicted_s"][k] / step["measured_median_s"][k] - 1 for k in grids}
+    assert step["prediction_error"] == pytest.approx(errors)
     assert rows[-1]["cosmoflow_worst_prediction_error"] == max(abs(e) for e in step["prediction_error"].values())
+    assert rows[-1]["cosmoflow_worst_prediction_error_vs_best"] == \
+        max(abs(e) for e in step["prediction_error_vs_best"].values())
 
 
 def _is_png(path: Path) -> bool:
@@ -127,3 +136,25 @@ def test_io_reads_a_share_of_the_bytes_per_rank(tmp_path: Path):
     assert by_codec["none"]["blocks"]["2x1x1"]["share_of_whole_bytes"] == pytest.approx(0.5, abs=1e-3)
     assert by_codec["none"]["blocks"]["2x2x1"]["share_of_whole_bytes"] == pytest.approx(0.25, abs=1e-3)
     assert rows[-1]["plot"] == str(tmp_path / "io.png") and _is_png(tmp_path / "io.png")
+
+
+def _uneven_layer(grid: Any, slowest: bool) -> float:
+    import time
+
+    import torch
+
+    from parallel.bench.calibrate import _together
+
+    return _together(lambda: time.sleep(0.05 if grid.rank == 1 else 0.0), 3, torch.device("cpu"), None,
+                     slowest=slowest)
+
+
+def test_busy_layer_times_take_the_slowest_rank_only_for_split_layers():
+    """A split layer waits for its slowest rank (its exchanges); an unsplit one, as a
+    data-parallel step runs it, does not: its busy time is the ranks' mean."""
+    from parallel.bench.ranks import run_ranks
+
+    slowest = run_ranks(2, _uneven_layer, True, timeout=120)
+    mean = run_ranks(2, _uneven_layer, False, timeout=120)
+    assert slowest[0] == slowest[1] and 0.05 <= slowest[0] < 0.09
+    assert mean[0] == mean[1] and 0.025 <= mean[0] < 0.045
