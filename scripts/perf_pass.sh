@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One pass of the performance figures of docs/performance.md, in a row on a quiet machine.
 #
-#   bash scripts/perf_pass.sh              # all of them (about 15 minutes on 2 cores)
+#   bash scripts/perf_pass.sh              # all of them (about 17 minutes on 2 cores)
 #   bash scripts/perf_pass.sh OUT_DIR      # into OUT_DIR (default runs/perf_pass/<date>_<time>)
 #
 # Each benchmark appends its JSON lines to OUT_DIR/<name>.jsonl; at the end the targets of
@@ -26,8 +26,8 @@ say "calibrate (the planner's measured machine: runs/calibration.json)"
 say "layer: fair halo ratio, 64^3 x 32 channels, 3^3, split 2 along D"
 "${B[@]}" layer --out "$OUT/layer.jsonl" > /dev/null
 say "step: both models at 64^3, 2-way along D and along W, measured and predicted"
-"${B[@]}" step --spatial 2x1x1 --out "$OUT/step.jsonl" > /dev/null
-"${B[@]}" step --spatial 1x1x2 --no-weak --out "$OUT/step.jsonl" > /dev/null
+"${B[@]}" step --spatial 2x1x1 --trials 9 --out "$OUT/step.jsonl" > /dev/null
+"${B[@]}" step --spatial 1x1x2 --no-weak --trials 9 --out "$OUT/step.jsonl" > /dev/null
 say "memory: CosmoFlow 128^3 spatial 4, batch 1"
 "${B[@]}" memory --size 128 --splits 1x1x1,4x1x1 --batch 1 --out "$OUT/memory.jsonl" > /dev/null
 say "memory: CosmoFlow 256^3 2x2x2, batch 1 (8 ranks)"
