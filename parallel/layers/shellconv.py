@@ -232,11 +232,13 @@ class ShellConv(torch.autograd.Function):
         # corrections' weight gradients are added into, tap by tap (no zeroed weight-sized
         # buffer beside it: for a 512x256x3^3 conv that is 14 MB at the peak). Gradients keep
         # their strides (a reordered thin block's gradient is contiguous once permuted back).
-        fixes = [(fix, *_correction_input(fix, shell, weight)) for fix in geo.corrections]
+        fixes = []
+        for fix in geo.corrections:
+            inp, w = _correction_input(fix, shell, weight)
+            fixes.append((fix, inp, w, _correction_grad(grad, fix, inp, w, stride, dilation)))
         if gshell is not None:
-            for fix, inp, w in fixes:
-                gi, _ = conv3d_backward(_correction_grad(grad, fix, geo, inp, w, stride, dilation), inp, w, stride,
-                                        fix.pads, dilation, groups, (True, False))
+            for fix, inp, w, g in fixes:
+                gi, _ = conv3d_backward(g, inp, w, stride, fix.pads, dilation, groups, (True, False))
                 assert gi is not None
                 gi = gi.narrow(fix.dim, fix.zeros[0], fix.rows[1] - fix.rows[0])
                 piece = _narrowed(gshell[fix.level][fix.side].narrow(fix.dim, fix.rows[0], fix.rows[1] - fix.rows[0]),
@@ -255,9 +257,8 @@ class ShellConv(torch.autograd.Function):
             if pending is not None:
                 adds = pending.result()
         if gw is not None:
-            for fix, inp, w in fixes:
-                _, gwp = conv3d_backward(_correction_grad(grad, fix, geo, inp, w, stride, dilation), inp, w, stride,
-                                         fix.pads, dilation, groups, (False, True))
+            for fix, inp, w, g in fixes:
+                _, gwp = conv3d_backward(g, inp, w, stride, fix.pads, dilation, groups, (False, True))
                 gw.narrow(fix.dim, fix.taps[0], fix.taps[1] - fix.taps[0]).add_(gwp)
         gx = None
         if need_x:
@@ -269,7 +270,7 @@ class ShellConv(torch.autograd.Function):
         return gx, (gw.to(ctx.dtypes[1]) if gw is not None else None), gb, None, None, None
 
 
-def _correction_grad(grad: torch.Tensor, fix: Correction, geo: ShellGeometry, inp: torch.Tensor, w: torch.Tensor,
+def _correction_grad(grad: torch.Tensor, fix: Correction, inp: torch.Tensor, w: torch.Tensor,
                      stride: Sequence[int], dilation: Sequence[int]) -> torch.Tensor:
     """The output gradient one correction's convolution sees: the rows it wrote, in zeros
     where its padding made rows the crop dropped."""
