@@ -29,7 +29,7 @@ from parallel.grid import Grid
 from parallel.train.cli import CONFIG_ROOT, register
 from parallel.train.config import UnknownKeyError, to_dataclass
 from parallel.train.data import CheckedDataset
-from parallel.train.preflight import ConfigError, InputError, check_data, check_model, check_world, validate_config
+from parallel.train.checks import ConfigError, InputError, check_data, check_model, check_world, validate_config
 from train_helpers import BIN, REPO, env
 
 SIZE = 8

@@ -25,7 +25,7 @@ from parallel.train.cli import CONFIG_ROOT, register
 from parallel.train.config import OptimConfig, to_dataclass
 from parallel.train.mlperf import MLPerfLog, log_submission
 from parallel.train.optim import build_optimizer
-from parallel.train.preflight import ConfigError, validate_config
+from parallel.train.checks import ConfigError, validate_config
 
 
 def _job(overrides: list[str]):

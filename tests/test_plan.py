@@ -95,7 +95,7 @@ def test_auto_spatial_reads_the_volume_and_picks_a_valid_split(tmp_path: Path):
     from cosmoflow.family import FAMILY, CosmoFlowJob
     from cosmoflow.fields import SPEC
     from parallel.data import write_samples
-    from parallel.train.preflight import read_facts
+    from parallel.train.checks import read_facts
 
     (tmp_path / "train").mkdir()
     vol = np.zeros((1, 4, 32, 32, 32), dtype=np.int16)

@@ -23,10 +23,9 @@ from parallel.data.loader import StepStats
 from parallel.data.reader import SampleReadError
 from parallel.grid import Grid
 from parallel.infer.windows import WindowCrop
-from parallel.train import cases
+from parallel.train.checks import SampleFacts, train_volume, window
 from parallel.train.config import JobConfig
 from parallel.train.family import Family
-from parallel.train.preflight import SampleFacts
 
 log = logging.getLogger("parallel.train")
 
@@ -187,7 +186,7 @@ def build_data(cfg: JobConfig, family: Family, grid: Grid, facts: SampleFacts) -
                               max_open_files=cfg.data.max_open_files, nonfinite=str(cfg.data.nonfinite),
                               regions=crops, **check)
     # Validation never skips: a metric over fewer samples would not be the metric.
-    windows = WindowCrop(cases.window(cfg), cfg.eval.overlap) if sliding else None  # type: ignore[arg-type]
+    windows = WindowCrop(window(cfg), cfg.eval.overlap) if sliding else None  # type: ignore[arg-type]
     val_ds = CheckedDataset(val_dir, fields=fields, grid=grid, transform=family.transform,
                             max_open_files=cfg.data.max_open_files, nonfinite="fail", regions=windows, **check)
     if family.transform_for is not None:
@@ -214,5 +213,5 @@ def build_data(cfg: JobConfig, family: Family, grid: Grid, facts: SampleFacts) -
     return JobData(
         train=Batches(_loader(train_ds, train_sampler, cfg, grid, cfg.train.seed + 1)),
         val=Batches(_loader(val_ds, val_sampler, cfg, grid, cfg.train.seed + 2)),
-        n_train=n_train, n_val=n_val, volume=cases.train_volume(cfg, facts.volume), staging_seconds=staging,
+        n_train=n_train, n_val=n_val, volume=train_volume(cfg, facts.volume), staging_seconds=staging,
     )

@@ -1,4 +1,6 @@
-"""Cases of any shape: the volumes a job's model runs at, and the checks of each case.
+"""Whether the network fits the volumes it will see, and the split: checked on the meta
+device (``parallel.plan.trace``: shapes only, no memory, no compute), before anything
+is read.
 
 A split may hold samples of different (D, H, W) (real CT cases do). What the network
 sees is then not the case but:
@@ -7,17 +9,22 @@ sees is then not the case but:
 - in evaluation, the sliding window (``eval.window``, default the crop) over each case's
   kept part (``eval.mode=sliding``), or each whole case (``eval.mode=whole``).
 
-``check`` (run by the preflight on every rank, with every case's shape gathered) checks
-each of those volumes against the network, before anything is read: the model's own
-checks (the U-Net wants multiples of its total stride), and for a spatial split that
-every strided layer's input is cut at multiples of its stride (the layers' condition for
-a split), that each split dim keeps a voxel per block, and that the reference's
-evaluation keeps something of each case. Problems name the key or file and the sizes;
-``InputError`` ends the job with exit 2 and one message.
+``meta_trace`` is the one trace of the network at a volume, for crops, windows and whole
+cases alike: the model's own checks of its volume, and a norm layer left with one value
+per channel, name the layer. ``check_cases`` (every rank, with every case's shape
+gathered by ``checks.samples``) checks each of those volumes: the model's own checks
+(the U-Net wants multiples of its total stride), and for a spatial split that every
+strided layer's input is cut at multiples of its stride (the layers' condition for a
+split), that each split dim keeps a voxel per block, and that the reference's
+evaluation keeps something of each case. ``check_model`` checks the training volume: a
+network of the user's against the family's fields, batch norm against the samples per
+rank, and every layer's input and output along a split dim against its blocks.
+Problems name the key or file and the sizes; ``InputError`` ends the job with exit 2.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import OrderedDict
 from typing import Any, Sequence
@@ -26,52 +33,104 @@ import torch
 
 from parallel.grid import Grid
 from parallel.partition import DIM_NAMES, SplitError, block_bounds
+from parallel.plan.trace import Layer, trace
+from parallel.train.checks.config import Shape, train_volume, window
+from parallel.train.checks.errors import InputError, quote_problems
 from parallel.train.config import JobConfig
 from parallel.train.family import Family
-from parallel.train.preflight import MAX_LISTED, ConfigError, InputError
+from parallel.train.usermodel import check_user_model, is_user_model
 
-Shape = tuple[int, int, int]
+log = logging.getLogger("parallel.train")
+
 Cases = Sequence[tuple[str, Shape]]
 
 
-def validate(cfg: JobConfig) -> None:
-    """``ConfigError`` for crop and evaluation settings that cannot work (no files needed)."""
-    crop = cfg.data.crop
-    if crop is not None and (len(crop) != 3 or min(int(c) for c in crop) < 1):
-        raise ConfigError(f"data.crop={list(crop)}: want three positive sizes [D, H, W] or null")
-    if not 0.0 <= cfg.data.oversampling <= 1.0:
-        raise ConfigError(f"data.oversampling={cfg.data.oversampling}: a probability, want 0 <= p <= 1")
-    ev = cfg.eval
-    if ev.window is not None and (len(ev.window) != 3 or min(int(w) for w in ev.window) < 1):
-        raise ConfigError(f"eval.window={list(ev.window)}: want three positive sizes [D, H, W] or null")
-    if not 0.0 <= ev.overlap < 1.0:
-        raise ConfigError(f"eval.overlap={ev.overlap}: want 0 <= overlap < 1")
-    if str(ev.mode) == "sliding" and window(cfg) is None:
-        raise ConfigError("eval.mode=sliding needs a window: set eval.window=[D,H,W] or data.crop=[D,H,W] "
-                          "(the reference's window is the crop), or eval.mode=whole")
-    if ev.start_epoch < 0:
-        raise ConfigError(f"eval.start_epoch={ev.start_epoch}: want >= 0 (0: every train.eval_every epochs)")
-    if str(ev.mode) == "sliding":
-        from parallel.infer.windows import plan_windows
+class VolumeRefused(InputError):
+    """The model's own check of its config against the volume refused to build it (the
+    message is the model's)."""
 
-        w = window(cfg)
+
+def meta_model(family: Family, model_cfg: Any, volume: Sequence[int]) -> torch.nn.Module:
+    """The serial network for ``volume``, built on the meta device; ``VolumeRefused`` when
+    the model's own checks refuse the volume."""
+    try:
+        with torch.device("meta"):
+            return family.build_model(model_cfg, tuple(int(v) for v in volume))
+    except (ValueError, TypeError) as err:
+        raise VolumeRefused(str(err)) from err
+
+
+def meta_trace(family: Family, model_cfg: Any, volume: Sequence[int], channels: int,
+               local_batch: int | None = None, model: torch.nn.Module | None = None) -> list[Layer] | None:
+    """The network's leaf layers traced at one sample of ``volume`` on the meta device, or
+    None when the meta device cannot run it (the first step will tell).
+
+    Raises ``VolumeRefused`` (the model's own check), or ``InputError`` naming the layer: a
+    norm layer left with one value per channel (``local_batch``: samples per rank, for
+    batch norm; None leaves batch norm to evaluation's rules), a layer that cannot take
+    its input. ``model``: the network already built for ``volume``.
+    """
+    if model is None:
+        model = meta_model(family, model_cfg, volume)
+    where = f"a volume of {list(volume)}"
+    entered: list[tuple[str, torch.nn.Module, tuple[int, ...]]] = []
+    hooks = [m.register_forward_pre_hook(_norm_check(name, where, local_batch, entered))
+             for name, m in model.named_modules() if not list(m.children())]
+    model.eval()  # a batch of one on the tracer: batch norm's own check is the pre-hook's, per rank's batch
+    try:
+        return trace(model, (channels, *volume))
+    except InputError:
+        raise
+    except (NotImplementedError, RuntimeError, ValueError) as err:
+        if isinstance(err, NotImplementedError) or "meta" in str(err).lower():
+            log.debug("shape check skipped: the model does not run on the meta device (%s)", err)
+            return None
+        if entered:
+            name, module, shape = entered[-1]
+            raise InputError(f"layer '{name}' ({type(module).__name__}) cannot take its input of "
+                             f"{'x'.join(map(str, shape))} voxels (C x D x H x W, per sample) at {where}: "
+                             f"{str(err).splitlines()[0]}; use a larger volume or a shallower model") from err
+        raise InputError(f"the model ({family.name}, model config {model_cfg}) cannot run on {where}: {err}") from err
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def check_model(family: Family, model_cfg: Any, volume: Sequence[int], channels: int, grid: Grid,
+                train: Any = None) -> None:
+    """Raise ``InputError`` for a model/volume mismatch that would fail the first step,
+    naming the layer and the sizes: a norm layer left with one voxel per channel
+    (InstanceNorm on a 1x1x1 bottleneck; BatchNorm also with one sample per rank, from
+    ``train``, the ``TrainConfig``), a kernel or stride beyond what reaches the layer, and
+    a layer's input or output along a split dim with fewer voxels than blocks.
+    """
+    try:
+        model = meta_model(family, model_cfg, volume)
+    except VolumeRefused as err:  # the model's own checks of its config against the volume
+        raise InputError(f"{family.name} model: {err}") from err
+    if is_user_model(model_cfg):  # a network of the user's: does it fit the family's fields?
         try:
-            plan_windows(w, w, ev.overlap)  # type: ignore[arg-type]
+            check_user_model(model, family, model_cfg, volume, channels)
         except ValueError as err:
-            raise ConfigError(f"eval.overlap={ev.overlap} with the window {list(w)}: "  # type: ignore[arg-type]
-                              f"{err}") from None
-
-
-def window(cfg: JobConfig) -> Shape | None:
-    """The sliding window of the job's evaluation: ``eval.window``, else the crop."""
-    w = cfg.eval.window if cfg.eval.window is not None else cfg.data.crop
-    return tuple(int(v) for v in w) if w is not None else None  # type: ignore[return-value]
-
-
-def train_volume(cfg: JobConfig, volume: Sequence[int]) -> Shape:
-    """The volume the network trains on: the crop, or the cases' (``volume``: the first case's)."""
-    v = cfg.data.crop if cfg.data.crop is not None else volume
-    return tuple(int(n) for n in v)  # type: ignore[return-value]
+            raise InputError(str(err)) from err
+    local_batch = None
+    if train is not None:
+        local_batch = max(1, train.global_batch_size // max(1, grid.data_size * train.accum_steps))
+    layers = meta_trace(family, model_cfg, volume, channels, local_batch, model=model)
+    if layers is None or grid.spatial_size == 1:
+        return
+    for layer in layers:
+        if layer.replicated or len(layer.in_shape) != 4 or len(layer.out_shape) != 4:
+            continue  # after a global pool every rank holds the whole tensor
+        n_in, n_out = layer.in_shape[1:], layer.out_shape[1:]
+        n_out = n_in if layer.out_replicated else n_out
+        for axis, parts in enumerate(grid.spatial):
+            if parts > 1 and min(n_in[axis], n_out[axis]) < parts:
+                raise InputError(
+                    f"layer '{layer.name}' ({type(layer.module).__name__}): output size {n_out[axis]} along dim "
+                    f"{DIM_NAMES[axis]} (input {n_in[axis]}) cannot be split {parts} ways for "
+                    f"parallel.spatial={list(grid.spatial)} and a volume of {list(volume)}; use fewer "
+                    f"blocks along {DIM_NAMES[axis]}, a larger volume or a shallower model")
 
 
 def weights_depend_on_volume(family: Family, model_cfg: Any, volume: Sequence[int]) -> bool:
@@ -114,27 +173,11 @@ class Strides:
     def problems(self, volume: Shape, what: str) -> list[str]:
         """What stops the network at ``volume`` (empty when nothing); ``what`` names it."""
         try:
-            with torch.device("meta"):
-                model = self.family.build_model(self.model_cfg, volume)
-        except (ValueError, TypeError) as err:  # the model's own checks of its volume
+            layers = meta_trace(self.family, self.model_cfg, volume, self.channels)
+        except InputError as err:  # the model's own checks of its volume, a layer that cannot run
             return [f"{what}: {err}"]
-        from parallel.plan.trace import trace
-        from parallel.train.preflight import InputError, _norm_check
-
-        entered: list = []  # a norm layer left with one voxel is named (preflight's hook)
-        hooks = [m.register_forward_pre_hook(_norm_check(name, f"a volume of {list(volume)}", None, entered))
-                 for name, m in model.named_modules() if not list(m.children())]
-        try:
-            layers = trace(model, (self.channels, *volume))
-        except InputError as err:
-            return [f"{what}: {err}"]
-        except ValueError as err:  # torch's own refusal
-            return [f"{what}: the network cannot run on {list(volume)}: {err}"]
-        except (NotImplementedError, RuntimeError):
+        if layers is None:
             return []  # a model the meta device cannot run: the first step will tell
-        finally:
-            for h in hooks:
-                h.remove()
         if self.grid.spatial_size == 1:
             return []
         strided = [ly for ly in layers if ly.kind in ("conv", "pool") and len(ly.in_shape) == 4]
@@ -159,7 +202,7 @@ class Strides:
         return []
 
 
-def check(cfg: JobConfig, family: Family, grid: Grid, channels: int, train: Cases, val: Cases) -> None:
+def check_cases(cfg: JobConfig, family: Family, grid: Grid, channels: int, train: Cases, val: Cases) -> None:
     """Check every case of both splits against what the job's network needs (see the module
     docstring); ``InputError`` quoting the first problems. ``train``/``val``: (file, (D, H, W))."""
     strides = Strides(family, cfg.model, channels, grid)
@@ -176,8 +219,8 @@ def check(cfg: JobConfig, family: Family, grid: Grid, channels: int, train: Case
             problems += strides.problems(shape, _files(paths, shape))
         per_group = cfg.train.global_batch_size // max(grid.data_size * cfg.train.accum_steps, 1)
         if len(shapes) > 1 and per_group > 1:
-            listed = ", ".join(_files(p, s) for s, p in list(shapes.items())[:3])
-            problems.append(f"the training cases differ in shape ({listed}, ...): {per_group} per data group and "
+            shown = ", ".join(_files(p, s) for s, p in list(shapes.items())[:3])
+            problems.append(f"the training cases differ in shape ({shown}, ...): {per_group} per data group and "
                             "step cannot be stacked; set data.crop=[D,H,W] (training crops), or "
                             "train.global_batch_size = data groups x train.accum_steps (one case each)")
     if str(cfg.eval.mode) == "sliding":
@@ -186,9 +229,7 @@ def check(cfg: JobConfig, family: Family, grid: Grid, channels: int, train: Case
         for shape, paths in distinct(val).items():
             problems += strides.problems(shape, f"{_files(paths, shape)} (eval.mode=whole)")
     if problems:
-        more = f" (and {len(problems) - MAX_LISTED} more)" if len(problems) > MAX_LISTED else ""
-        raise InputError(f"{len(problems)} case(s) or setting(s) the network cannot run{more}:\n  "
-                         + "\n  ".join(problems[:MAX_LISTED]))
+        raise InputError(quote_problems("case(s) or setting(s) the network cannot run", problems))
 
 
 def _sliding(cfg: JobConfig, grid: Grid, strides: Strides, val: Cases) -> list[str]:
@@ -210,3 +251,29 @@ def _sliding(cfg: JobConfig, grid: Grid, strides: Strides, val: Cases) -> list[s
             problems.append(f"{_files(paths, shape)}: the evaluated part ({kept}) has {n} voxels along "
                             f"dim {dim}, fewer than its {p} blocks (parallel.spatial={list(grid.spatial)})")
     return problems
+
+
+def _norm_check(name: str, where: str, local_batch: int | None, entered: list) -> Any:
+    """A forward pre-hook that notes the layer entered and refuses a norm layer whose
+    statistics would span one value per channel (torch raises at the first training step)."""
+
+    def hook(module: torch.nn.Module, args: tuple) -> None:
+        x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if x is None:
+            return
+        entered.append((name, module, tuple(x.shape[1:])))
+        voxels = math.prod(x.shape[2:]) if x.dim() > 2 else 1
+        size = "x".join(map(str, x.shape[2:])) or "1"
+        kind = type(module).__name__
+        if isinstance(module, torch.nn.modules.instancenorm._InstanceNorm) and voxels <= 1:
+            raise InputError(f"layer '{name}' ({kind}) normalises each channel over its {size} voxel(s) at {where}: "
+                             "instance norm needs more than one (torch: 'Expected more than 1 spatial element "
+                             "when training'); use a larger volume (or data.crop) or a shallower model")
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and local_batch is not None \
+                and voxels * local_batch <= 1:
+            raise InputError(f"layer '{name}' ({kind}) normalises each channel over {size} voxel(s) x {local_batch} "
+                             f"sample(s) per rank at {where}: batch norm needs more than one value (torch: 'Expected "
+                             "more than 1 value per channel when training'); use a larger volume, a larger "
+                             "train.global_batch_size per data group, or another model.norm")
+
+    return hook
