@@ -120,9 +120,9 @@ def test_cli_prints_a_table(capsys):
 
 
 def test_measured_layer_times_replace_the_estimates():
-    """``calibrate.layer_seconds`` times what a rank computes for each layer (a split conv's
+    """``layer_times.layer_seconds`` times what a rank computes for each layer (a split conv's
     window, a split norm's two-pass statistics, the Linear's slice) and ``predict`` uses it."""
-    from parallel.bench.calibrate import _local_call, layer_seconds
+    from parallel.bench.layer_times import _local_call, layer_seconds
 
     for name, over in (("cosmoflow", ["model.n_conv_blocks=2", "model.conv_filters=4"]),
                        ("unet3d", ["model.depth=2", "model.base_filters=4"])):
