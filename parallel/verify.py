@@ -33,7 +33,7 @@ from parallel.grid import Grid
 from parallel.layers.base import SpatialMixin
 from parallel.layers.norm import SpatialBatchNorm3d
 from parallel.layers.replicated import is_replicated
-from parallel.parallelize import ParallelModule
+from parallel.parallel_module import ParallelModule
 from parallel.partition import SplitError
 from parallel.verify_ops import describe_op
 

@@ -24,7 +24,7 @@ from typing import Callable
 from torch import nn
 
 from parallel.grid import Grid
-from parallel.parallelize import ParallelModule
+from parallel.parallel_module import ParallelModule
 from parallel.train.checks import verify as split_check
 from parallel.train.checks.config import check_world, is_auto, train_volume, validate_config, window
 from parallel.train.checks.errors import MAX_LISTED, ConfigError, InputError, quote_problems
