@@ -19,7 +19,7 @@ from cosmoflow.family import FAMILY as COSMO
 from parallel.grid import Grid
 from parallel.kfac import KFAC, KFACConfig, kfac_costs
 from parallel.plan import Machine, Options, predict, trace
-from parallel.plan import main as plan_main
+from parallel.plan.cli import main as plan_main
 from parallel.plan.kfac import KFACPlan, kfac_config
 from parallel.train.cli import CONFIG_ROOT, register
 from parallel.train.config import OptimConfig, to_dataclass
