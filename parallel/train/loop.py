@@ -23,7 +23,7 @@ from mlperf_logging.mllog import constants as C
 import parallel
 from parallel.grid import Grid
 from parallel.infer import evaluation_due
-from parallel.train import checkpoint
+from parallel.train import checkpoint, rng
 from parallel.train.checks import InputError, JobChecks
 from parallel.train.config import JobConfig
 from parallel.train.data import build_data
@@ -121,7 +121,7 @@ class Trainer:
         self.state.load_state_dict(ckpt, path)
         self.saved_step = self.progress.step
         self._run_s_before = self.progress.run_s
-        checkpoint.restore_rng(ckpt, self.grid, self.cfg.train.seed, self.model)
+        rng.restore_rng(ckpt, self.grid, self.cfg.train.seed, self.model)
         log.info("resumed from %s at step %d (epoch %d)", path, self.progress.step, self.progress.epoch)
 
     def save(self, run_s: float) -> None:
