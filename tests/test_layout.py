@@ -178,3 +178,15 @@ def test_the_jobs_checks_run_in_one_pass_from_train():
     from parallel.train.checks import PHASES
 
     assert PHASES == ("validate", "samples", "fit", "verify")
+
+
+@pytest.mark.unit
+def test_the_train_package_map_names_every_module():
+    import parallel.train
+
+    train = REPO / "parallel" / "train"
+    modules = {p.stem for p in train.glob("*.py") if p.name != "__init__.py"}
+    modules |= {p.name for p in train.iterdir() if (p / "__init__.py").is_file()}
+    assert {"checks", "lifecycle", "rng"} <= modules
+    doc = parallel.train.__doc__ or ""
+    assert not sorted(m for m in modules if f"``{m}``" not in doc)

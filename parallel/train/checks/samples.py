@@ -208,6 +208,6 @@ def _gather_lines(lines: list[str], grid: Grid) -> list[str]:
     if grid.world_size == 1:
         return lines
     merged: list[str] = []
-    for raw in comm.all_gather_bytes(json.dumps(lines).encode(), grid.world_group, caller="preflight"):
+    for raw in comm.all_gather_bytes(json.dumps(lines).encode(), grid.world_group, caller="checks.samples"):
         merged.extend(json.loads(raw.decode()))
     return merged
