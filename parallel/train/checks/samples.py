@@ -119,21 +119,6 @@ def _files(root: Path, key: str) -> tuple[list[Path], dict[str, int]]:
     return files, counts
 
 
-def _manifest_problems(path: Path, claimed: int | None) -> list[str]:
-    if claimed is None:
-        return []
-    import h5py
-
-    try:
-        with h5py.File(path, "r") as f:
-            n = f.attrs.get("samples")
-    except OSError:
-        return []  # check_file reports it
-    if n is not None and int(n) != claimed:
-        return [f"manifest.json lists {claimed} samples, the file holds {int(n)}"]
-    return []
-
-
 def check_data(cfg: JobConfig, family: Family, grid: Grid, facts: SampleFacts | None = None) -> SampleFacts:
     """Check both splits' files (collective; each rank a share); the job's ``SampleFacts``
     (``facts`` if already read, else read here from the first training file).
@@ -173,11 +158,12 @@ def check_data(cfg: JobConfig, family: Family, grid: Grid, facts: SampleFacts | 
     shapes: list[str] = []  # "split path D H W" of this rank's share: every case has its own shape
     for i in range(grid.rank, len(every), grid.world_size):
         path, claimed, split = every[i]
+        samples, shape = _declared(path)
         if mode != "none":
             found = check_file(path, spec, deep=(mode == "deep"), volume=one_volume)
-            found += _manifest_problems(path, claimed)
+            if claimed is not None and samples is not None and samples != claimed:
+                found.append(f"manifest.json lists {claimed} samples, the file holds {samples}")
             problems.extend(f"{path}: {p}" for p in found)
-        shape = _case_shape(path)
         if shape is not None:
             shapes.append(json.dumps([split, str(path), list(shape)]))
     problems = _gather_lines(problems, grid)
@@ -191,16 +177,18 @@ def check_data(cfg: JobConfig, family: Family, grid: Grid, facts: SampleFacts | 
     return dataclasses.replace(facts, train_shapes=found_shapes[0], val_shapes=found_shapes[1])
 
 
-def _case_shape(path: Path) -> tuple[int, int, int] | None:
-    """The (D, H, W) a sample file declares (None when unreadable: the file check says why)."""
+def _declared(path: Path) -> tuple[int | None, tuple[int, int, int] | None]:
+    """The sample count and the (D, H, W) a sample file declares in its attributes, from one
+    open (None where absent or unreadable: the file check says why)."""
     import h5py
 
     try:
         with h5py.File(path, "r") as f:
-            shape = f.attrs.get("global_shape")
+            samples, shape = f.attrs.get("samples"), f.attrs.get("global_shape")
     except OSError:
-        return None
-    return tuple(int(n) for n in shape) if shape is not None and len(shape) == 3 else None  # type: ignore[return-value]
+        return None, None
+    volume = tuple(int(n) for n in shape) if shape is not None and len(shape) == 3 else None
+    return (int(samples) if samples is not None else None), volume  # type: ignore[return-value]
 
 
 def _gather_lines(lines: list[str], grid: Grid) -> list[str]:
