@@ -1,8 +1,10 @@
 """The process around a training job: start, failure and end.
 
 ``train(cfg, family)`` is collective: every rank of the job calls it with the same
-config. It validates the config, starts the process group (``parallel.spatial=auto``:
-rank 0 asks the planner), the watchdog and the threads, runs the ``Trainer``, and ends
+config. It validates the config (the first phase of the job's checks,
+``parallel.train.checks.JobChecks``), starts the process group (``parallel.spatial=auto``:
+rank 0 asks the planner), the watchdog and the threads, runs the ``Trainer`` (which runs
+the other phases: samples -> fit -> verify), and ends
 the process: 0 after a clean end, 2 for bad input or config, 1 for anything else, after
 one clear message; with several ranks the watchdog makes every rank stop, naming the rank
 that failed (``docs/failures.md``).

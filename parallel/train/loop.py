@@ -1,7 +1,7 @@
 """The trainer's run: epochs of steps, evaluation, the stop at the quality target,
 checkpoints and reporting.
 
-``Trainer(cfg, family, grid, facts).fit()`` runs on every rank of a job that
+``Trainer(cfg, family, grid, checks).fit()`` runs on every rank of a job that
 ``parallel.train.lifecycle.train`` started. The trainer owns the readers, the
 hybrid-parallel model, the optimiser and schedule, mixed precision and the
 ``TrainState``; one step is a ``TrainStep``; the family supplies the network, fields,
