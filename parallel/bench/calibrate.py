@@ -19,6 +19,7 @@ from torch import nn
 from parallel.bench import device as dev
 from parallel.bench.layer_times import CPU, Case, best, busy_times, case_seconds
 from parallel.bench.network import fit, network
+from parallel.bench.ranks import run_ranks
 from parallel.bench.shared import Rows, sizes
 from parallel.bench.timing import load
 from parallel.layers.kernels import conv3d
