@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -72,3 +73,22 @@ def test_each_phase_raises_the_jobs_input_errors(job, tmp_path):
     checks.validate()
     with pytest.raises(InputError, match=r"(?s)1 problem\(s\) in the sample files .*val/s0\.h5: cannot open as HDF5"):
         checks.samples(SERIAL)
+
+
+def test_one_meta_trace_names_the_layer_for_crops_and_whole_cases():
+    """Crops, windows and whole cases go through the one meta-device trace (``meta_trace``)
+    that ``check_model`` uses: the same layer is named the same way for each."""
+    from parallel.train.checks import check_cases
+    from parallel.train.family import model_config
+    from unet3d.family import FAMILY as UNET, UNet3DJob
+
+    job = UNet3DJob()
+    job.model = model_config(UNET)  # the MLPerf U-Net: 5 stride-2 levels take 32^3 to 1^3
+    job.data.crop = [32, 32, 32]
+    job.eval.mode = "whole"
+    with pytest.raises(InputError) as err:
+        check_cases(job, UNET, SERIAL, 1, [("train/a.h5", (64, 64, 64))], [("val/b.h5", (32, 32, 32))])
+    norm = (r": layer 'down\.4\.0\.1' \(InstanceNorm3d\) normalises each channel over its 1x1x1 voxel\(s\) at a "
+            r"volume of \[32, 32, 32\]: instance norm needs more than one")
+    assert re.search(r"data\.crop=\[32, 32, 32\]" + norm, str(err.value)), err.value
+    assert re.search(r"val/b\.h5 \[32, 32, 32\] \(eval\.mode=whole\)" + norm, str(err.value)), err.value
