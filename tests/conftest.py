@@ -127,6 +127,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                                 f"tests/conftest.py ({', '.join(TIER_NAMES)})")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def job_pool(tmp_path_factory):
+    """The session's pool of rank processes for ``python -m`` jobs, and its cache of
+    generated data sets (``train_helpers.launch``/``prepare``); both started on first use."""
+    import train_helpers
+    from jobpool import JobPool
+
+    train_helpers.POOL = JobPool()
+    train_helpers.CACHE = tmp_path_factory.mktemp("datasets")
+    yield train_helpers.POOL
+    train_helpers.POOL.close()
+    train_helpers.POOL = None
+
+
 @pytest.fixture(scope="session")
 def pools():
     """Spawned gloo worlds of 2, 3 and 4 ranks, started on first use and reused."""

@@ -1,9 +1,10 @@
 """Whole training runs at different grids end with the same weights.
 
 With dropout off and a fixed seed, 4 optimiser steps at ``parallel.spatial=[1,1,1]``
-(one process), ``[2,1,1]`` (2 processes, torchrun) and ``[2,2,1]`` (4 processes,
-mpirun) give ``last.pt`` weights equal within 1e-4 relative, and data 2 x spatial 2
-equals data 4 x spatial 1, for CosmoFlow and the 3D U-Net. Real processes, real files.
+(one process), ``[2,1,1]`` (2 processes) and ``[2,2,1]`` (4 processes) give ``last.pt`` weights equal within 1e-4 relative, and data 2 x spatial 2
+equals data 4 x spatial 1, for CosmoFlow and the 3D U-Net. Real processes (the session's
+job pool: ``tests/jobpool.py``; the launchers themselves are ``tests/test_launchers.py``'s),
+real files.
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ def runs(request, tmp_path_factory):
               "train.max_steps=4", "train.seed=3", "train.eval_at_end=false", "train.eval_every=0",
               "run.progress=false", "run.tensorboard=false", "run.log_rank=-3", *spec["overrides"]]
 
-    def run(name: str, nproc: int, spatial: str, launcher: str = "torchrun") -> Path:
+    def run(name: str, nproc: int, spatial: str) -> Path:
         out = root / name
-        launch(model, nproc, [*common, f"parallel.spatial={spatial}", f"run.dir={out}"], launcher)
+        launch(model, nproc, [*common, f"parallel.spatial={spatial}", f"run.dir={out}"])
         return out
 
     return model, run
@@ -51,14 +52,14 @@ def runs(request, tmp_path_factory):
 def test_spatial_splits_equal_serial(runs):
     model, run = runs
     serial = weights(run("serial", 1, "[1,1,1]"))
-    for name, nproc, spatial, launcher in [("d2", 2, "[2,1,1]", "torchrun"), ("d2h2", 4, "[2,2,1]", "mpirun")]:
-        diff, key = max_rel_diff(serial, weights(run(name, nproc, spatial, launcher)))
+    for name, nproc, spatial in [("d2", 2, "[2,1,1]"), ("d2h2", 4, "[2,2,1]")]:
+        diff, key = max_rel_diff(serial, weights(run(name, nproc, spatial)))
         assert diff < RTOL, f"{model} spatial {spatial}: {key} differs by {diff:.2e} relative"
 
 
 def test_data_and_spatial_axes_interchange(runs):
     model, run = runs
-    data4 = weights(run("data4", 4, "[1,1,1]", "mpirun"))
-    data2_spatial2 = weights(run("data2_spatial2", 4, "[2,1,1]", "torchrun"))
+    data4 = weights(run("data4", 4, "[1,1,1]"))
+    data2_spatial2 = weights(run("data2_spatial2", 4, "[2,1,1]"))
     diff, key = max_rel_diff(data4, data2_spatial2)
     assert diff < RTOL, f"{model}: data 4 x spatial 1 vs data 2 x spatial 2: {key} differs by {diff:.2e}"
