@@ -1,8 +1,10 @@
 """Whole training runs at different grids end with the same weights.
 
 With dropout off and a fixed seed, 4 optimiser steps at ``parallel.spatial=[1,1,1]``
-(one process), ``[2,1,1]`` (2 processes) and ``[2,2,1]`` (4 processes) give ``last.pt`` weights equal within 1e-4 relative, and data 2 x spatial 2
-equals data 4 x spatial 1, for CosmoFlow and the 3D U-Net. Real processes (the session's
+(one process), ``[2,1,1]`` (2 processes) and ``[2,2,1]`` (4 processes) give ``last.pt``
+weights equal within 1e-4 relative, and data 2 x spatial 2 equals data 4 x spatial 1, for
+CosmoFlow (the 3D U-Net's twin, on cases of six shapes with
+crops and augmentation, is ``tests/test_train_cases.py``). Real processes (the session's
 job pool: ``tests/jobpool.py``; the launchers themselves are ``tests/test_launchers.py``'s),
 real files.
 """
@@ -23,11 +25,6 @@ MODELS = {
     "cosmoflow": dict(size=16, overrides=[
         "model.conv_filters=4", "model.n_conv_blocks=2", "model.dense_sizes=[16]", "model.dropout=0.0",
         "model.input_shift=3.8", "model.input_scale=2.0", "optim.lr=0.05"]),
-    "unet3d": dict(size=16, overrides=[
-        "model.depth=2", "model.base_filters=4", "model.max_filters=8", "optim.lr=0.05",
-        "data.crop=[16,16,16]",  # crops the size of the 16^3 cases (tests/test_train_cases.py: smaller crops)
-        # augmentation on, often: flips of split volumes and per-voxel noise must not depend on the grid
-        "augment.flip_prob=0.5", "augment.brightness_prob=0.5", "augment.noise_prob=0.5"]),
 }
 
 
