@@ -10,6 +10,10 @@ Every test belongs to one tier (a pytest marker; ``scripts/test.sh -m unit`` run
 A module's tier is in ``TIERS``; a test of another tier in that module carries its own
 marker (``@pytest.mark.launch``). ``slow`` marks, besides, the longest launches (``SLOW``:
 40 s or more each on a loaded 2-core machine); ``-m "not slow"`` leaves them out.
+
+``nightly`` (not in CI, not in a plain run: ``scripts/test.sh -m nightly`` runs it) holds
+only repeats of what CI proves elsewhere, each named in ``NIGHTLY`` with the CI test that
+carries its proof.
 """
 
 import os
@@ -107,10 +111,27 @@ SLOW = {
 }
 
 
+NIGHTLY = {
+    # the nightly test -> the CI test that carries the same proof
+    "test_public_api.py::test_public_api_program_exits_cleanly_20_times":
+        "test_public_api.py::test_public_api_program_exits_cleanly (one run per launcher)",
+    "test_gpu_check.py::test_gpu_check_cpu_dry_run_with_its_layer_tests":
+        "test_gpu_check.py::test_gpu_check_cpu_dry_run_passes (every step but the nested pytest of suite "
+        "layer tests, which the ranks tier runs itself)",
+}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Give every test its module's tier unless it carries one; refuse a module without one."""
+    """Give every test its module's tier unless it carries one; refuse a module without one;
+    leave the nightly tier out unless ``-m`` names it."""
     missing = set()
+    names = {f"{Path(str(item.fspath)).name}::{item.originalname}" for item in items}
+    unknown = [n for n in NIGHTLY if n.split("::")[0] in {k.split("::")[0] for k in names} and n not in names]
+    if unknown:
+        raise pytest.UsageError(f"NIGHTLY in tests/conftest.py names missing tests: {unknown}")
     for item in items:
+        if f"{Path(str(item.fspath)).name}::{item.originalname}" in NIGHTLY:
+            item.add_marker(pytest.mark.nightly)
         if f"{Path(str(item.fspath)).name}::{item.originalname}" in SLOW:
             item.add_marker(pytest.mark.slow)
         own = [m.name for m in item.iter_markers() if m.name in TIER_NAMES]
@@ -126,6 +147,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if missing:
         raise pytest.UsageError(f"test module(s) {', '.join(sorted(missing))} have no tier: add them to TIERS in "
                                 f"tests/conftest.py ({', '.join(TIER_NAMES)})")
+    if "nightly" not in (config.option.markexpr or ""):
+        nightly = [item for item in items if item.get_closest_marker("nightly")]
+        if nightly:
+            config.hook.pytest_deselected(items=nightly)
+            items[:] = [item for item in items if not item.get_closest_marker("nightly")]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def job_pool(tmp_path_factory):
+    """The session's pool of rank processes for ``python -m`` jobs, and its cache of
+    generated data sets (``train_helpers.launch``/``prepare``); both started on first use."""
+    import train_helpers
+    from jobpool import JobPool
+
+    train_helpers.POOL = JobPool()
+    train_helpers.CACHE = tmp_path_factory.mktemp("datasets")
+    yield train_helpers.POOL
+    train_helpers.POOL.close()
+    train_helpers.POOL = None
 
 
 @pytest.fixture(scope="session")
