@@ -120,14 +120,17 @@ def _worker(rank: int, jobs: Any, results: Any) -> None:
 
 def _fresh_state() -> None:
     """What one ``python -m`` would start without: Hydra's global state, the loop's logger,
-    the count of process groups this process started (a fresh process's first group
-    rendezvouses through ``env://``, later ones under a prefix: every rank of a job must
-    take the same path)."""
+    a sweep's list of failed jobs, the count of process groups this process started (a
+    fresh process's first group rendezvouses through ``env://``, later ones under a
+    prefix: every rank of a job must take the same path)."""
     import logging
 
     from parallel import launch
 
     launch._STARTS[0] = 0
+    sweep = sys.modules.get("parallel.train.sweep")
+    if sweep is not None:  # the failed jobs of a sweep this process ran: a fresh process has none
+        sweep.FAILED.clear()
 
     try:
         from hydra.core.global_hydra import GlobalHydra
