@@ -31,6 +31,7 @@ TIER_NAMES = ("unit", "ranks", "launch")
 TIERS = {
     "test_bad_input": "unit",
     "test_cases_preflight": "unit",
+    "test_jobpool": "launch",
     "test_job_checks": "unit",
     "test_comm_adjoint": "ranks",
     "test_comm_layer": "unit",

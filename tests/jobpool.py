@@ -45,20 +45,18 @@ WARM = ("torch", "torch.distributed", "hydra", "omegaconf", "h5py", "cosmoflow.f
         "parallel.train.cli", "parallel.train.loop", "parallel.train.mlperf", "parallel.train.report")
 
 
-def _worker(rank: int, jobs: Any, results: Any) -> None:
+def _worker(rank: int, jobs: Any, results: Any, warm: Sequence[str]) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import importlib
     import runpy
 
-    for name in WARM:  # what every job would import: paid once per worker
+    for name in warm:  # what every job would import: paid once per worker
         try:
             importlib.import_module(name)
         except ImportError:
             pass
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
     base_env = dict(os.environ)
     base_cwd = os.getcwd()
     while True:
@@ -112,7 +110,8 @@ def _worker(rank: int, jobs: Any, results: Any) -> None:
             os.environ.update(base_env)
             os.chdir(base_cwd)
         # a job that failed half-way may leave its rank in a process group: not reusable
-        clean = not dist.is_initialized()
+        dist = sys.modules.get("torch.distributed")
+        clean = dist is None or not dist.is_initialized()
         results.put((rank, code, clean))
         if not clean:
             return
@@ -147,10 +146,11 @@ def _fresh_state() -> None:
 
 
 class JobPool:
-    """``size`` spawned processes that run ``python -m`` jobs of up to ``size`` ranks."""
+    """``size`` spawned processes that run ``python -m`` jobs of up to ``size`` ranks;
+    ``warm``: the modules each imports once when it starts."""
 
-    def __init__(self, size: int = 4) -> None:
-        self.size = size
+    def __init__(self, size: int = 4, warm: Sequence[str] = WARM) -> None:
+        self.size, self.warm = size, tuple(warm)
         self.procs: list[Any] = []
         self.jobs: list[Any] = []
         self.results: Any = None
@@ -161,7 +161,8 @@ class JobPool:
         ctx = mp.get_context("spawn")
         self.results = ctx.Queue()
         self.jobs = [ctx.Queue() for _ in range(self.size)]
-        self.procs = [ctx.Process(target=_worker, args=(r, self.jobs[r], self.results), daemon=True)
+        self.procs = [ctx.Process(target=_worker, args=(r, self.jobs[r], self.results, self.warm),
+                                 daemon=True)
                       for r in range(self.size)]
         for p in self.procs:
             p.start()
@@ -194,7 +195,7 @@ class JobPool:
                 e.update(RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(nproc),
                          GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
             self.jobs[r].put((module, list(argv), e, str(cwd), str(paths[r][0]), str(paths[r][1])))
-        codes: dict[int, int] = {}
+        codes: dict[int, int] = {}  # each rank's own status; ranks the pool had to kill have none
         dirty = False
         deadline = time.monotonic() + timeout
         why = ""
@@ -205,28 +206,21 @@ class JobPool:
                 dead = [r for r in range(nproc) if not self.procs[r].is_alive() and r not in codes]
                 if dead:
                     # the watchdog's os._exit, or a crash: the others may wait in a collective
-                    time.sleep(0.5)  # let a peer's own exit land first
-                    for r in dead:
-                        code = self.procs[r].exitcode
-                        codes[r] = code if code is not None and code >= 0 else 128 - (code or 0)
-                    if len(codes) < nproc:
-                        grace = time.monotonic() + 5.0
-                        while len(codes) < nproc and time.monotonic() < grace:
-                            try:
-                                rank, code, clean = self.results.get(timeout=0.2)
-                                codes[rank] = code
-                            except queue.Empty:
-                                for r in range(nproc):
-                                    if r not in codes and not self.procs[r].is_alive():
-                                        codes[r] = self.procs[r].exitcode or 1
+                    grace = time.monotonic() + 5.0  # let the peers' own reports or exits land first
+                    while len(codes) < nproc and time.monotonic() < grace:
                         for r in range(nproc):
-                            codes.setdefault(r, -9)
+                            if r not in codes and not self.procs[r].is_alive():
+                                code = self.procs[r].exitcode
+                                codes[r] = code if code is not None and code >= 0 else 128 - (code or 0)
+                        try:
+                            rank, code, clean = self.results.get(timeout=0.2)
+                            codes[rank] = code
+                        except queue.Empty:
+                            pass
                     dirty = True
                     break
                 if time.monotonic() > deadline:
                     why = f"timed out after {timeout:.0f} s"
-                    for r in range(nproc):
-                        codes.setdefault(r, -9)
                     dirty = True
                     break
                 continue
@@ -241,11 +235,14 @@ class JobPool:
             o.unlink(missing_ok=True)
             e.unlink(missing_ok=True)
         tmp.rmdir()
-        # a launcher reports the first failing rank's status, as torchrun does
-        rc = next((c for c in (codes[r] for r in range(nproc)) if c != 0), 0)
+        # a launcher reports a failing rank's own status (the lowest rank's, here)
+        rc = next((codes[r] for r in range(nproc) if codes.get(r, 0) != 0), 0)
         if why:
             rc = 124
-        return subprocess.CompletedProcess([sys.executable, "-m", module, *argv], rc, stdout, stderr)
+        elif len(codes) < nproc and rc == 0:
+            rc = 1  # ranks left hanging after a peer died: killed with it
+        cmd = [sys.executable, module] if module.endswith(".py") else [sys.executable, "-m", module]
+        return subprocess.CompletedProcess([*cmd, *argv], rc, stdout, stderr)
 
     def close(self) -> None:
         for q in self.jobs:
@@ -253,7 +250,7 @@ class JobPool:
                 q.put(None)
             except (OSError, ValueError):
                 pass
-        deadline = time.monotonic() + 3.0
+        deadline = time.monotonic() + 2.0
         for p in self.procs:
             p.join(timeout=max(0.1, deadline - time.monotonic()))
         for p in self.procs:
