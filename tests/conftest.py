@@ -5,7 +5,15 @@ Every test belongs to one tier (a pytest marker; ``scripts/test.sh -m unit`` run
 - ``unit``: pure logic and single-process work on real files, no spawned ranks; the
   whole tier runs in well under a minute.
 - ``ranks``: several gloo ranks of the spawned pool (``tests/harness.py``).
-- ``launch``: real launches (``python -m``, torchrun, mpirun, Slurm variables, scripts).
+- ``launch``: jobs of the entry points (``python -m cosmoflow.train`` ...) and real
+  launches. Jobs that prove numbers (equivalence, cases, resume across grids, K-FAC,
+  user models, predict, runs, schedules) run on the session's job pool
+  (``tests/jobpool.py``: rank processes that imported torch once, each job given
+  torchrun's variables, its argv, cwd and output; ``train_helpers.launch``/``python_m``);
+  what is about the launcher or the process itself (torchrun, mpirun, Slurm, kills, exit
+  codes of dying ranks, scripts) starts real processes. Generated data sets are made once
+  per session and shared read-only (``train_helpers.prepare``; a test that changes files
+  takes ``prepare_copy``).
 
 A module's tier is in ``TIERS``; a test of another tier in that module carries its own
 marker (``@pytest.mark.launch``). ``slow`` marks, besides, the longest launches (``SLOW``:
