@@ -130,6 +130,10 @@ class KFAC(torch.optim.SGD):
             self.last_nu = None
             return
         nu = torch.ones((), dtype=done[0][1].dtype, device=done[0][1].device)
+        # vg is global, so every rank clips alike: the preconditioned gradients are the
+        # synchronised (replicated) ones, the eigenbases are broadcast, and a weight sharded
+        # over the spatial group is never preconditioned (``layers._dims``), so no term
+        # holds one rank's piece only.
         if cfg.kl_clip > 0:
             nu = torch.clamp(torch.sqrt(cfg.kl_clip / vg.abs()), max=1.0)  # type: ignore[union-attr]
         self.last_nu = nu
