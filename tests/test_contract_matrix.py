@@ -13,7 +13,8 @@ compares the loss scale every grid ended with (the skip decision is global).
 |---|---|
 | ``cosmo_sgd`` | clipping (clipped at every step), accumulation 2, weight-decay groups, activation recompute, sharded Flatten+Linear and replicated Linear, an injected non-finite step skipped, a resume at step 2 (2x1x1) |
 | ``cosmo_kfac`` | K-FAC (factors every step, eigendecompositions every 2, KL clip), clipping, weight decay, a resume at step 2 (2x2x1) |
-| ``unet`` | BatchNorm, 16^3 crops of larger cases with oversampling, augmentation, sliding-window evaluation (its Dice and loss compared too), accumulation 2, a resume at step 2 (data 2 x spatial 2) |
+| ``unet`` | InstanceNorm, 16^3 crops of larger cases with oversampling, augmentation, sliding-window evaluation (its Dice and loss compared too), accumulation 2, a resume at step 2 (data 2 x spatial 2) |
+| ``unet_bn`` | BatchNorm: 2x2x1 against serial (at data 2 each data group normalises over its own share of the batch, as DDP does: not serial's numbers, docs/training.md) |
 | ``cosmo_dropout`` | seeded dropout: 2x1x1 against 2x2x1 (not serial: see the test) |
 | ``cosmo_fp16`` | fp16 autocast with the loss scaler, clipping, an injected overflow on one spatial rank (serial, 2x1x1, data 2 x spatial 2) |
 | ``cosmo_bf16`` | bf16 autocast, the shell convolution's low-precision sums (serial, 2x2x1) |
@@ -49,11 +50,16 @@ CASES = {
     "cosmo_dropout": ("cosmoflow", [*COSMO, "train.precision=fp64", "model.dropout=0.3"]),
     "cosmo_kfac": ("cosmoflow", [*COSMO, "train.precision=fp64", "model.dropout=0.0", "optim.name=kfac",
                                  "optim.kfac.factor_interval=1", "optim.kfac.inverse_interval=2",
+                                 # float32 factors round at 1e-4 after 4 steps: fp64 needs them in float64
+                                 "optim.kfac.factor_dtype=float64", "optim.kfac.inverse_dtype=float64",
                                  "train.grad_clip=0.5", "optim.weight_decay=0.01"]),
     "unet": ("unet3d", ["train.precision=fp64", "model.depth=2", "model.base_filters=4", "model.max_filters=8",
-                        "model.norm=batch", "data.crop=[16,16,16]", "data.oversampling=0.5",
+                        "data.crop=[16,16,16]", "data.oversampling=0.5",
                         "train.global_batch_size=4", "train.accum_steps=2", "train.eval_at_end=true",
                         "eval.mode=sliding", "augment.flip_prob=0.5", "augment.noise_prob=0.5"]),
+    "unet_bn": ("unet3d", ["train.precision=fp64", "model.depth=2", "model.base_filters=4", "model.max_filters=8",
+                           "model.norm=batch", "data.crop=[16,16,16]", "train.global_batch_size=4",
+                           "train.eval_at_end=false"]),
     "cosmo_fp16": ("cosmoflow", [*COSMO, "train.precision=fp16", "model.dropout=0.0", "train.grad_clip=0.05",
                                  "train.inject_nonfinite=[2]"]),
     "cosmo_bf16": ("cosmoflow", [*COSMO, "train.precision=bf16", "model.dropout=0.0"]),
@@ -125,13 +131,20 @@ def test_cosmoflow_kfac_equals_serial_in_float64(data, tmp_path):
     assert torch.load(runs["s2x2"] / "checkpoints" / "last.pt", weights_only=True)["optimizer"]["kfac"]["steps"] == 4
 
 
-def test_unet_crops_batchnorm_and_sliding_window_equal_serial_in_float64(data, tmp_path):
+def test_unet_crops_and_sliding_window_equal_serial_in_float64(data, tmp_path):
     runs = _exact("unet", data, tmp_path)
     serial = _summary(runs["serial"])
     assert 0.0 < serial["best_metric"] < 1.0
     for grid in ("s2", "s2x2", "d2s2"):
         got = _summary(runs[grid])["best_metric"]
         assert got == pytest.approx(serial["best_metric"], rel=EXACT, abs=0), grid
+
+
+def test_batchnorm_split_in_space_equals_serial_in_float64(data, tmp_path):
+    runs = {g: _run("unet_bn", g, data, tmp_path) for g in ("serial", "s2x2")}
+    diff, key = max_rel_diff(weights(runs["serial"]), weights(runs["s2x2"]))
+    assert diff < EXACT, f"BatchNorm at 2x2x1: {key} differs from serial by {diff:.2e} relative"
+    assert any("running_mean" in k for k in weights(runs["serial"])), "a BatchNorm model"
 
 
 def test_seeded_dropout_is_the_same_at_every_spatial_split(data, tmp_path):
@@ -188,3 +201,47 @@ def test_the_bf16_selfcheck_passes_at_two_ranks_on_the_path_every_device_takes()
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     # summed in bf16 as GPUs once did: 0.149 against 0.05; summed in float32 from rounded inputs: ~0.015
     assert report["ok"] and report["max_rel_diff"] <= report["tolerance"] / 2, report
+
+
+# -- the helpers the decisions come from (no processes) ------------------------------------------
+
+@pytest.mark.unit
+def test_the_global_norm_of_one_process_is_torchs_and_clipping_scales_as_torch_does():
+    from parallel.train.gradnorm import clip_coefficient, global_grad_norm, scale_grads_
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    twin = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    twin.load_state_dict(net.state_dict())
+    x = torch.randn(4, 6)
+    for m in (net, twin):
+        m(x).square().sum().backward()
+    norm = float(global_grad_norm(net.parameters()))
+    want = float(torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.1))
+    assert norm == pytest.approx(want, rel=1e-6)
+    scale_grads_(list(net.parameters()), clip_coefficient(norm, 0.1))
+    for a, b in zip(net.parameters(), twin.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=0)  # float32: one rounding apart
+    assert clip_coefficient(norm, 0.0) == 1.0 and clip_coefficient(0.01, 0.1) == 1.0
+    net[0].weight.grad[0, 0] = float("inf")
+    assert not torch.isfinite(global_grad_norm(net.parameters()))
+
+
+@pytest.mark.unit
+def test_the_loss_scaler_keeps_torchs_rules_and_state_dict():
+    from parallel.train.scaler import LossScaler
+
+    s = LossScaler(growth_interval=2)
+    s.update(True)
+    assert s.get_scale() == 2.0**16
+    s.update(True)
+    assert s.get_scale() == 2.0**17  # doubled after 2 finite steps
+    s.update(False)
+    assert s.get_scale() == 2.0**16 and s.state_dict()["_growth_tracker"] == 0  # halved, count restarts
+    theirs = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=3)
+    mine = LossScaler()
+    mine.load_state_dict(theirs.state_dict())
+    assert mine.get_scale() == 8.0 and mine.growth_interval == 3
+    back = torch.amp.GradScaler("cpu")
+    back.load_state_dict(mine.state_dict())
+    assert back.get_scale() == 8.0
