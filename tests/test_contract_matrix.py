@@ -13,7 +13,7 @@ is global).
 |---|---|
 | ``cosmo_sgd`` | clipping (clipped at every step), accumulation 2, weight-decay groups, activation recompute, sharded Flatten+Linear and replicated Linear, an injected non-finite step skipped, a resume at step 2 (2x1x1) |
 | ``cosmo_kfac`` | K-FAC (factors every step, eigendecompositions every 2, KL clip), clipping, weight decay, a resume at step 2 (2x2x1) |
-| ``unet`` | InstanceNorm, 16^3 crops of larger cases with oversampling, augmentation, sliding-window evaluation (its Dice and loss compared too), accumulation 2, a resume at step 2 (data 2 x spatial 2) |
+| ``unet`` | InstanceNorm, 16^3 crops of larger cases with oversampling, augmentation, sliding-window evaluation (its Dice compared too), accumulation 2, a resume at step 2 (data 2 x spatial 2) |
 | ``unet_bn`` | BatchNorm: 2x2x1 against serial (at data 2 each data group normalises over its own share of the batch, as DDP does: not serial's numbers, docs/training.md) |
 | ``cosmo_dropout`` | seeded dropout: 2x1x1 against 2x2x1 (not serial: see the test) |
 | ``cosmo_fp16`` | fp16 autocast with the loss scaler, clipping, an injected overflow on one spatial rank (serial, 2x1x1, data 2 x spatial 2) |
@@ -61,7 +61,8 @@ CASES = {
                            "model.norm=batch", "data.crop=[16,16,16]", "train.global_batch_size=4",
                            "train.eval_at_end=false"]),
     **{f"cosmo_{p}": ("cosmoflow", [*COSMO, f"train.precision={p}", "model.dropout=0.0", "train.grad_clip=0.05",
-                                   "train.nonfinite=skip", "train.inject_nonfinite=[2]"]) for p in ("fp32", "fp16", "bf16")},
+                                   "train.nonfinite=skip", "train.inject_nonfinite=[2]"])
+       for p in ("fp32", "fp16", "bf16")},
 }
 RESUME_AT = {"cosmo_sgd": "s2", "cosmo_kfac": "s2x2", "unet": "d2s2"}  # stopped after step 2, resumed
 
@@ -127,6 +128,8 @@ def test_cosmoflow_sgd_options_equal_serial_in_float64(data, tmp_path):
 
 def test_cosmoflow_kfac_equals_serial_in_float64(data, tmp_path):
     runs = _exact("cosmo_kfac", data, tmp_path)
+    for grid, run in runs.items():  # clipping active at every step (the resumed run's 2nd session: 2)
+        assert _summary(run)["clipped_steps"] == (2 if grid == "s2x2" else 4), grid
     assert torch.load(runs["s2x2"] / "checkpoints" / "last.pt", weights_only=True)["optimizer"]["kfac"]["steps"] == 4
 
 

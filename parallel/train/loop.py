@@ -30,8 +30,8 @@ from parallel.train.evaluate import evaluate
 from parallel.train.family import Family
 from parallel.train.mlperf import log_submission, open_log
 from parallel.train.optim import Schedule, build_optimizer
-from parallel.train.scaler import LossScaler
 from parallel.train.report import Reporter, format_summary, gather_per_rank, peak_memory_bytes, summarize
+from parallel.train.scaler import LossScaler
 from parallel.train.state import TrainState, plain_config
 from parallel.train.step import NonFiniteGuard, TrainStep
 
