@@ -141,9 +141,11 @@ def mse_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     ``pred`` is the model's replicated (n, 4) output, so no spatial reduction is needed;
     the mean over data groups is the gradient sync's job.
     """
-    return torch.mean((pred.float() - target.float()) ** 2)
+    dtype = torch.promote_types(pred.dtype, torch.float32)  # bf16/fp16 in float32; fp64 kept
+    return torch.mean((pred.to(dtype) - target.to(dtype)) ** 2)
 
 
 def mae_per_sample(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Mean absolute error of each sample over its parameters: shape (n,)."""
-    return torch.mean(torch.abs(pred.float() - target.float()), dim=1)
+    dtype = torch.promote_types(pred.dtype, torch.float32)
+    return torch.mean(torch.abs(pred.to(dtype) - target.to(dtype)), dim=1)

@@ -88,6 +88,7 @@ TIERS = {
     "test_train_cases": "launch",
     "test_train_config": "unit",
     "test_train_equivalence": "launch",
+    "test_contract_matrix": "launch",
     "test_train_resume": "launch",
     "test_train_runs": "unit",
     "test_train_sweeps": "launch",

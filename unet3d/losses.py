@@ -47,7 +47,8 @@ def dice_ce_loss(logits: torch.Tensor, labels: torch.Tensor, grid: Grid | None =
     """
     labels = _labels(labels)
     n, k = logits.shape[:2]
-    logits = logits.float()
+    # low precision (autocast's bf16/fp16) summed in float32; float64 (train.precision=fp64) kept
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     probs = torch.softmax(logits, dim=1)
     onehot = F.one_hot(labels, k).movedim(-1, 1).to(probs.dtype)
     dims = (2, 3, 4)

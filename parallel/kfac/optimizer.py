@@ -39,7 +39,8 @@ class KFAC(torch.optim.SGD):
     ``model`` is the serial model or its ``ParallelModule`` (unwrapped: layer names and
     state keys are the serial model's); ``grid`` is None for a single process. Every
     parameter of the model is optimised; layers not preconditioned take the plain update.
-    ``grad_scaler``: the fp16 ``GradScaler`` whose scale the captured output gradients carry.
+    ``grad_scaler``: the fp16 scaler (``parallel.train.scaler.LossScaler`` or torch's ``GradScaler``:
+    ``is_enabled()``, ``get_scale()``) whose scale the captured output gradients carry.
     ``params``: the parameters or parameter groups to optimise (default: all the model's;
     groups set their own ``weight_decay``, which SGD adds after the preconditioning); they
     must hold the weight of every preconditioned layer.
@@ -130,6 +131,10 @@ class KFAC(torch.optim.SGD):
             self.last_nu = None
             return
         nu = torch.ones((), dtype=done[0][1].dtype, device=done[0][1].device)
+        # vg is global, so every rank clips alike: the preconditioned gradients are the
+        # synchronised (replicated) ones, the eigenbases are broadcast, and a weight sharded
+        # over the spatial group is never preconditioned (``layers._dims``), so no term
+        # holds one rank's piece only.
         if cfg.kl_clip > 0:
             nu = torch.clamp(torch.sqrt(cfg.kl_clip / vg.abs()), max=1.0)  # type: ignore[union-attr]
         self.last_nu = nu

@@ -34,6 +34,7 @@ class Precision(Choice):
     fp32 = "fp32"
     bf16 = "bf16"
     fp16 = "fp16"
+    fp64 = "fp64"
 
 
 class OptimName(Choice):
@@ -180,7 +181,10 @@ class TrainConfig:
     resume: bool = False
     """Continue from ``run.dir/checkpoints/last.pt`` if it exists."""
     precision: Precision = Precision.fp32
-    """Compute precision: bf16 autocast (CPU or GPU), fp16 autocast with a grad scaler (GPU only)."""
+    """Compute precision: fp32; bf16 autocast; fp16 autocast with a loss scaler (CPU or GPU:
+    ``parallel.train.scaler``); fp64: weights, samples and compute in float64, so that runs
+    at different grids compare to ~1e-12 instead of float32 noise (its checkpoints hold
+    float64 tensors; resuming one at fp32 casts them)."""
     tf32: bool = False
     """On GPUs, TF32 for float32 convolutions and matmuls: faster, but the split and serial
     runs then round differently (~1e-3 relative instead of ~1e-6; docs/training.md)."""
@@ -203,6 +207,10 @@ class TrainConfig:
     checkpoint stays the last good one); ``skip`` drops the update and counts the step."""
     max_skipped_steps: int = 20
     """With ``nonfinite=skip``: stop after this many consecutive skipped steps."""
+    inject_nonfinite: list[int] = field(default_factory=list)
+    """Testing hook: at these (1-based) steps a NaN is put into one gradient after the sync,
+    on some ranks only where a sharded weight allows (``parallel.train.step.inject_nonfinite``),
+    to test that every rank takes the ``nonfinite`` decision alike. Empty in real runs."""
 
 
 @dataclass

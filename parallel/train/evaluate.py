@@ -26,13 +26,32 @@ from parallel.train.family import Family
 
 
 def autocast(precision: str, device: torch.device) -> ContextManager[Any]:
-    """The autocast context for ``train.precision`` (a no-op for fp32)."""
-    if precision == "fp32":
+    """The autocast context for ``train.precision`` (a no-op for fp32 and fp64)."""
+    if str(precision) in ("fp32", "fp64"):
         return contextlib.nullcontext()
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    if precision == "fp16" and device.type != "cuda":
-        raise ValueError("train.precision=fp16 needs a GPU (its grad scaler is CUDA-only); use bf16 on CPUs")
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def compute_dtype(precision: str) -> torch.dtype | None:
+    """The dtype weights and samples are cast to for ``train.precision`` (fp64: float64);
+    None: they stay float32 (autocast rounds inside the forward)."""
+    return torch.float64 if str(precision) == "fp64" else None
+
+
+class _Cast:
+    """A loader whose floating fields come in ``dtype`` (``train.precision=fp64``)."""
+
+    def __init__(self, loader: Any, dtype: torch.dtype) -> None:
+        self.loader, self.dtype = loader, dtype
+
+    def set_epoch(self, epoch: int, *args: Any) -> None:
+        self.loader.set_epoch(epoch, *args)
+
+    def __iter__(self) -> Any:
+        for batch, stats in self.loader:
+            yield {k: v.to(self.dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                   for k, v in batch.items()}, stats
 
 
 def evaluate(model: nn.Module, loader: Any, family: Family, grid: Grid, cfg: JobConfig,
@@ -43,6 +62,9 @@ def evaluate(model: nn.Module, loader: Any, family: Family, grid: Grid, cfg: Job
     ``loader``: the validation ``BlockLoader`` (its batches carry the regions read)."""
     ev = cfg.eval
     window = eval_window(cfg)
+    dtype = compute_dtype(str(cfg.train.precision))
+    if dtype is not None:
+        loader = _Cast(loader, dtype)
     out = evaluate_cases(model, loader, grid, input_field=family.input_field, target_field=family.target_field,
                          metric=family.metric, loss=family.loss, mode=str(ev.mode),  # type: ignore[arg-type]
                          window=window,

@@ -30,7 +30,7 @@ COMMON_KEYS = (
     ("train.global_batch_size=N", "samples per optimiser step over all ranks"),
     ("train.epochs=N, train.max_steps=N", "how long to train (the run also stops at the quality target)"),
     ("train.resume=true", "continue the run in run.dir from its last checkpoint"),
-    ("train.precision=bf16", "mixed precision (fp16 on GPUs)"),
+    ("train.precision=bf16", "mixed precision (or fp16; fp64 to compare runs exactly)"),
     ("optim.lr=X, optim.name=adamw", "learning rate, optimiser"),
     ("run.dir=DIR", "outputs (default runs/{name}/<date>); a DIR holding a run is refused"),
     ("run.overwrite=true", "start afresh in a run.dir that holds a run (its files move to previous_<k>/)"),

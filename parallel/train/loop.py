@@ -32,6 +32,7 @@ from parallel.train.family import Family
 from parallel.train.mlperf import log_submission, open_log
 from parallel.train.optim import Schedule, build_optimizer
 from parallel.train.report import Reporter, format_summary, gather_per_rank, peak_memory_bytes, summarize
+from parallel.train.scaler import LossScaler
 from parallel.train.state import TrainState, plain_config
 from parallel.train.step import NonFiniteGuard, TrainStep
 
@@ -77,6 +78,8 @@ class Trainer:
         self.ml.end(C.STAGING_STOP, staging_duration=self.data.staging_seconds)
         torch.manual_seed(cfg.train.seed)  # the same initial weights at every grid
         self.model = family.build_model(cfg.model, self.data.volume)
+        if cfg.train.precision == "fp64":  # weights (and, in the step, samples) in float64
+            self.model.double()
         # Flatten+Linear weights sharded by block, except under K-FAC, which preconditions the
         # whole weight (a sharded one would take the plain update, unlike the serial run).
         # parallel.verify: the converted model against a copy of the serial one, before the first step
@@ -85,7 +88,7 @@ class Trainer:
             recompute=cfg.train.activation_checkpointing, input_shape=(facts.channels, *self.data.volume),
             shard_linear=str(cfg.optim.name) != "kfac"), grid)
         torch.manual_seed(cfg.train.seed + 7919 * (grid.rank + 1))  # per-rank dropout stream
-        scaler = torch.amp.GradScaler("cuda") if cfg.train.precision == "fp16" else None
+        scaler = LossScaler() if cfg.train.precision == "fp16" else None  # its decisions from the global norm
         # weight decay only where the family's reference applies it (one group when there is none to apply)
         chosen = family.decayed is not None and not cfg.optim.decay_all and cfg.optim.weight_decay > 0
         decayed = family.decayed(self.model) if chosen else None  # type: ignore[misc]
@@ -215,6 +218,7 @@ class Trainer:
             "samples_per_s": session["samples"] / train_s if train_s > 0 else 0.0, "session": session,
             "run_dir": cfg.run.dir,
             "last_eval_step": last_eval_step, "skipped_steps": p.skipped_steps,
+            "clipped_steps": self.train_step.clipped,  # this session's steps whose gradients were clipped
             "skipped_samples": int(round(_data_mean(torch.tensor(float(p.skipped_samples), device=grid.device), grid)
                                          * grid.data_size)),
         }, per_rank, p.samples)

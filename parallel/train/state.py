@@ -108,7 +108,7 @@ class TrainState:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 scaler: torch.amp.GradScaler | None, steps_per_epoch: int, meta: dict[str, Any]) -> None:
+                 scaler: Any, steps_per_epoch: int, meta: dict[str, Any]) -> None:
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.steps_per_epoch = steps_per_epoch
         self.meta = meta

@@ -1,16 +1,22 @@
 """One optimiser step and its guard against non-finite numbers.
 
 ``TrainStep`` runs the augmentation, forward and backward over the accumulation
-micro-batches, and the update (fp16 scaling, clipping). ``NonFiniteGuard`` applies the
-two policies: samples whose input block is non-finite on any rank of the spatial group
-are left out (``data.nonfinite=skip``); a step whose gradients (identical on every rank
-after the sync) are non-finite stops the run (``train.nonfinite=fail``) or is skipped.
+micro-batches, and the update. Every decision of the update that ranks must share is
+taken from the global gradient norm (``parallel.train.gradnorm``: a sharded weight counted
+once, summed over its spatial group), read on the host once per step with the loss:
+whether the step is finite (``train.nonfinite``; the fp16 ``LossScaler``'s skip and next
+scale) and how much the gradients are clipped (``train.grad_clip``).
+``NonFiniteGuard`` applies the two policies: samples whose input block is non-finite on
+any rank of the spatial group are left out (``data.nonfinite=skip``); a step whose
+gradients are non-finite stops the run (``train.nonfinite=fail``) or is skipped, on every
+rank alike.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from typing import Any, Callable
 
 import torch
@@ -20,9 +26,11 @@ from torch import nn
 from parallel.grid import Grid
 from parallel.train.config import JobConfig
 from parallel.train.data import Batch
-from parallel.train.evaluate import autocast
+from parallel.train.evaluate import autocast, compute_dtype
 from parallel.train.family import Family
+from parallel.train.gradnorm import clip_coefficient, global_grad_norm, read_host, scale_grads_
 from parallel.train.optim import Schedule
+from parallel.train.scaler import LossScaler
 from parallel.train.state import Progress
 
 log = logging.getLogger("parallel.train")
@@ -64,24 +72,24 @@ class NonFiniteGuard:
             x, y = x[keep], y[keep]
         return x, y
 
-    def finite_step(self, model: nn.Module, loss: torch.Tensor) -> bool:
-        """Whether the step's gradients (identical on every rank after the sync) are finite.
+    def finite_step(self, model: nn.Module, norm: float, loss: float) -> bool:
+        """Whether the step may update: ``norm`` is the global gradient norm
+        (``parallel.train.gradnorm``: the same on every rank, so every rank decides alike).
 
         Non-finite: raise ``NonFiniteError`` (``fail``, or too many in a row) or drop the
         update and count it (``skip``).
         """
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
         step = self.progress.step + 1
-        if bool(torch.isfinite(norm)):
+        if math.isfinite(norm):
             self.bad_in_a_row = 0
-            if not bool(torch.isfinite(loss)):
-                log.warning("step %d: the loss is %s on this rank but the gradients are finite", step, float(loss))
+            if not math.isfinite(loss):
+                log.warning("step %d: the loss is %s on this rank but the gradients are finite", step, loss)
             return True
+        # the first parameter whose gradient is non-finite on this rank (messages only)
         bad = next((n for n, p in model.named_parameters()
                     if p.grad is not None and not bool(torch.isfinite(p.grad).all())), "?")
-        what = (f"step {step}: non-finite gradients (norm {float(norm)}, first in '{bad}'; "
-                f"loss {float(loss):.6g} on this data group)")
+        what = (f"step {step}: non-finite gradients (norm {norm}, first in '{bad}'; "
+                f"loss {loss:.6g} on this data group)")
         if self.policy == "fail":
             raise NonFiniteError(f"{what}; stopping (train.nonfinite=fail): {self.last_good()}. Resume with a lower "
                                  "optim.lr or train.grad_clip, or set train.nonfinite=skip")
@@ -101,17 +109,23 @@ class TrainStep:
     """
 
     def __init__(self, cfg: JobConfig, family: Family, grid: Grid, model: nn.Module, pmodel: nn.Module,
-                 optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, schedule: Schedule,
+                 optimizer: torch.optim.Optimizer, scaler: LossScaler | None, schedule: Schedule,
                  progress: Progress, guard: NonFiniteGuard) -> None:
         self.cfg, self.family, self.grid = cfg, family, grid
         self.model, self.pmodel, self.optimizer, self.scaler = model, pmodel, optimizer, scaler
         self.schedule, self.progress, self.guard = schedule, progress, guard
         self.lr = schedule.lr(progress.step)
+        self.inject = set(cfg.train.inject_nonfinite)
+        self.last_norm = 0.0  # the global gradient norm of the last step (before clipping)
+        self.clipped = 0      # steps whose gradients were clipped
+        self.cast = compute_dtype(cfg.train.precision)
 
     def __call__(self, batch: Batch) -> torch.Tensor:
         """One step on this rank's ``batch``; the local loss (zero for a skipped update)."""
         cfg, fam, grid = self.cfg, self.family, self.grid
         fields = batch.fields
+        if self.cast is not None:  # train.precision=fp64: the float32 samples in the model's dtype
+            fields = {k: v.to(self.cast) if v.is_floating_point() else v for k, v in fields.items()}
         if fam.augment is not None:
             gen = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + self.progress.step)
             fields = fam.augment(fields, gen, grid, cfg)
@@ -123,7 +137,7 @@ class TrainStep:
         # so every rank runs the same collectives
         xs, ys = torch.tensor_split(x, accum), torch.tensor_split(y, accum)
         self.optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros((), device=grid.device)
+        total = torch.zeros((), device=grid.device, dtype=self.cast or torch.float32)
         for i, (xm, ym) in enumerate(zip(xs, ys)):
             sync = contextlib.nullcontext() if i == accum - 1 else self.pmodel.no_sync()
             with sync:
@@ -136,20 +150,53 @@ class TrainStep:
                 (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             total += loss.detach()
         self.lr = self.schedule.apply(self.optimizer, self.progress.step)
-        if self.scaler is None and not self.guard.finite_step(self.model, total):
-            self.optimizer.zero_grad(set_to_none=True)
-            return torch.zeros((), device=grid.device)
+        return total if self.update(total) else torch.zeros((), device=grid.device, dtype=total.dtype)
+
+    def update(self, loss: torch.Tensor) -> bool:
+        """Unscale (fp16), decide, clip and step, every decision from the global gradient
+        norm (``parallel.train.gradnorm``), read on the host once; whether the update ran."""
+        cfg, params = self.cfg, list(self.pmodel.parameters())
+        if self.progress.step + 1 in self.inject:
+            inject_nonfinite(self.pmodel, self.grid)
         if self.scaler is not None:
-            if cfg.train.grad_clip > 0:
-                self.scaler.unscale_(self.optimizer)
-                torch.nn.utils.clip_grad_norm_(self.pmodel.parameters(), cfg.train.grad_clip)
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
+            self.scaler.unscale_(params)
+        norm, loss_f = read_host(global_grad_norm(params, self.grid), loss)
+        self.last_norm = norm
+        if self.scaler is not None:
+            finite = math.isfinite(norm)
+            if not finite:
+                log.info("step %d: fp16 gradients overflowed (norm %s): update skipped, loss scale %g -> %g",
+                         self.progress.step + 1, norm, self.scaler.get_scale(),
+                         self.scaler.get_scale() * self.scaler.backoff_factor)
         else:
-            if cfg.train.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.pmodel.parameters(), cfg.train.grad_clip)
+            finite = self.guard.finite_step(self.model, norm, loss_f)
+        if finite:
+            factor = clip_coefficient(norm, cfg.train.grad_clip)
+            if factor < 1.0:
+                self.clipped += 1
+            scale_grads_(params, factor)
             self.optimizer.step()
-        return total
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler is not None:  # after the step: K-FAC reads the scale its captured gradients carry
+            self.scaler.update(finite)
+        return finite
+
+
+def inject_nonfinite(pmodel: nn.Module, grid: Grid) -> None:
+    """Test hook (``train.inject_nonfinite``): a NaN in one gradient after the sync, where a
+    NaN from one rank's computation would leave it. The first spatially sharded weight's
+    gradient, on the last spatial rank only (of every data group: the sync averaged it over
+    the data group); without one, the first gradient on every rank (the sync's all-reduce
+    spreads a NaN to every rank). A rank deciding from its own gradients alone would then
+    disagree with the others."""
+    params = [p for p in pmodel.parameters() if p.grad is not None]
+    sharded = [p for p in params if getattr(p, "spatial_shard", False)]
+    if sharded:
+        if grid.spatial_rank == grid.spatial_size - 1:
+            sharded[0].grad.view(-1)[0] = float("nan")  # type: ignore[union-attr]
+    elif params:
+        params[0].grad.view(-1)[0] = float("nan")  # type: ignore[union-attr]
 
 
 def zero_loss(out: Any) -> torch.Tensor:
