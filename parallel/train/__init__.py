@@ -14,8 +14,10 @@ Split by concern, one idea a module:
   samples -> fit -> verify, and their errors), ``autosplit`` (``parallel.spatial=auto``),
   ``rundir`` (the run-directory rule);
 - the run: ``lifecycle`` (the process: start, watchdog, failure, exit codes), ``loop``
-  (the trainer's run), ``step`` (one step and its non-finite guard), ``data`` (readers
-  and batches), ``optim`` (optimiser and schedule), ``evaluate``;
+  (the trainer's run), ``step`` (one step and its non-finite guard), ``gradnorm`` (the
+  whole model's gradient norm, from which every rank takes the same decisions),
+  ``scaler`` (fp16 loss scaling decided from that norm), ``data`` (readers and batches),
+  ``optim`` (optimiser and schedule), ``evaluate``;
 - what a run keeps and tells: ``state`` (what a checkpoint holds), ``checkpoint``
   (files), ``rng`` (the RNG streams' layout in a checkpoint), ``report``
   (metrics.jsonl, TensorBoard, summary), ``mlperf`` (the MLPerf log), ``sweep`` (Hydra
