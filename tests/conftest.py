@@ -70,6 +70,7 @@ TIERS = {
     "test_resume_grid": "launch",
     "test_schedule_reference": "unit",
     "test_shard": "ranks",
+    "test_slurm_real": "launch",
     "test_sliding_window": "ranks",
     "test_train_cases": "launch",
     "test_train_config": "unit",
