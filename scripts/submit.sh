@@ -60,7 +60,8 @@ export CONFIG=$CONFIG_FILE MODE NEXP INSTANCES DATA_DIR
 check_against_cluster() {
     local nodes=$1 partition=${SBATCH_PARTITION:-} arg prev="" total cpus gres gpu_flags="" srun_more
     shift
-    command -v sinfo > /dev/null || return 0
+    # No sinfo, or no controller it can reach (a stand-in sbatch, a login node without Slurm): sbatch says.
+    command -v sinfo > /dev/null && timeout 30 sinfo -h -o '%P' > /dev/null 2>&1 || return 0
     read -ra srun_more <<< "${SRUN_EXTRA:-}"
     for arg in "$@" "${srun_more[@]}"; do
         case "$arg" in

@@ -260,7 +260,9 @@ def test_selfcheck_under_srun_mpi_none_and_pmi2(slurm, tmp_path):
     for mpi, p in procs.items():
         print(mpi, outs[mpi][-3000:])
         assert p.returncode == 0, outs[mpi]
-    assert "(slurm)" in outs["none"] and "(mpi)" in outs["pmi2"]
+    for mpi, launcher in (("none", "slurm"), ("pmi2", "mpi")):  # pmi2: MPI's world is srun's, so mpi4py
+        reports = [json.loads(line) for line in outs[mpi].splitlines() if line.startswith("{")]
+        assert reports and all(r["launcher"] == launcher and r["ok"] and r["world_size"] == 2 for r in reports)
 
 
 def test_unresolvable_rendezvous_host_fails_fast_naming_it(slurm, tmp_path):
@@ -354,7 +356,8 @@ def test_time_limit_warning_checkpoints_and_the_next_submission_resumes_to_the_s
     # The uninterrupted run: the same grid, seed and steps, under srun in one go.
     ref = tmp_path / "ref"
     env3 = dict(env2, LOGDIR=str(ref), RESUME="0")
-    proc3, _ = _submit(slurm, env3, "--system", "local", "--mode", "strong")
+    _, job3 = _submit(slurm, env3, "--system", "local", "--mode", "strong")
+    _console(job3)
     resumed_w, ref_w = _weights(logdir / "run_1"), _weights(ref / "run_1")
     assert resumed_w.keys() == ref_w.keys()
     for name in ref_w:
@@ -369,4 +372,4 @@ def test_zz_every_daemon_stops(slurm):
     assert len(pids) == 3 and all(alive(p) for p in pids)
     slurm.stop()
     assert not [p for p in pids if alive(p)]
-    slurm.start()  # for the fixture's own teardown
+    assert not slurm.pids  # the fixture's teardown has nothing left to stop
