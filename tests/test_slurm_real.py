@@ -312,6 +312,7 @@ def test_scancel_mid_run_leaves_a_usable_checkpoint_and_a_resubmission_resumes(s
     time.sleep(1)
     slurm.run(["scancel", job])
     assert slurm.wait_job(job, 60) == "CANCELLED"
+    _console(job)
     saved = torch.load(ckpt, map_location="cpu", weights_only=False)  # usable after the kill
     step = int(saved["step"])
     assert step >= 1 and "model" in saved
