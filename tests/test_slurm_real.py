@@ -153,7 +153,9 @@ def test_strong_submission_and_a_repeated_job_id(slurm, data, tmp_path):
     results = tmp_path / "results"
     env = _env(slurm, tmp_path, NNODES="1", SPATIAL="[2,1,1]", DATA_DIR=str(data), RESULTS_DIR=str(results),
                STAGE_DIR=str(stage), NEXP="1", SEED="5")
+    slurm.restart_controller(clear=True)  # this job is job 1, whatever ran before
     proc, job = _submit(slurm, env, "--system", "local", "--mode", "strong")
+    assert job == "1", proc.stdout
     console_path, out = _console(job)
     print(out[-6000:])
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -350,15 +352,16 @@ def test_time_limit_warning_checkpoints_and_the_next_submission_resumes_to_the_s
     total = k + 3
     resumed = LONG.replace("train.max_steps=100000", f"train.max_steps={total}")
     env2 = dict(env, RESUME="1", EXTRA_ARGS=resumed, TIME_LIMIT_SIGNAL_S="0", WALLTIME="5")
-    proc2, job2 = _submit(slurm, env2, "--system", "local", "--mode", "strong")
-    _, out2 = _console(job2)
-    print(out2[-4000:])
-    assert f"at step {k} " in out2 and json.loads((logdir / "run_1" / "summary.json").read_text())["steps"] == total
-    # The uninterrupted run: the same grid, seed and steps, under srun in one go.
+    # The resubmission and, at once on the other node, the uninterrupted run (same grid, seed, steps).
     ref = tmp_path / "ref"
     env3 = dict(env2, LOGDIR=str(ref), RESUME="0")
-    _, job3 = _submit(slurm, env3, "--system", "local", "--mode", "strong")
-    _console(job3)
+    jobs = [_submit(slurm, e, "--system", "local", "--mode", "strong", wait=False)[1] for e in (env2, env3)]
+    for j in jobs:
+        slurm.wait_job(j, JOB_TIMEOUT)
+    _, out2 = _console(jobs[0])
+    _console(jobs[1])
+    print(out2[-4000:])
+    assert f"at step {k} " in out2 and json.loads((logdir / "run_1" / "summary.json").read_text())["steps"] == total
     resumed_w, ref_w = _weights(logdir / "run_1"), _weights(ref / "run_1")
     assert resumed_w.keys() == ref_w.keys()
     for name in ref_w:
