@@ -4,11 +4,13 @@ Recognised, in this order:
 
 - already initialised (a caller set up the process group itself);
 - ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``);
-- ``mpirun``/``mpiexec`` (MPICH, Open MPI, or srun with PMI/PMIx): rank and size from
-  mpi4py; rank 0 picks a free port and broadcasts ``host:port``;
+- ``mpirun``/``mpiexec`` (MPICH, Open MPI, or srun with a PMI the MPI speaks, such as
+  ``--mpi=pmi2``): rank and size from mpi4py; rank 0 picks a free port and broadcasts
+  ``host:port`` (under srun only when MPI's world is srun's: ``detect_launcher``);
 - ``srun`` without MPI (``SLURM_PROCID``, ``SLURM_NTASKS``): the first host of
   ``SLURM_STEP_NODELIST`` (else ``SLURM_JOB_NODELIST``) and a port derived from
-  ``SLURM_JOB_ID`` (``MASTER_PORT`` wins);
+  ``SLURM_JOB_ID`` (``MASTER_PORT`` wins); a host that does not resolve stops the start at
+  once, naming it;
 - plain ``python``: a world of one.
 
 NCCL when CUDA is present, gloo otherwise. Every rank's node (and, under NCCL, the GPUs
@@ -52,16 +54,55 @@ def free_port(host: str = "") -> int:
         return s.getsockname()[1]
 
 
+def mpi_world_size(env: dict[str, str]) -> int | None:
+    """The size of the MPI world the launcher's variables announce (``PMI_SIZE``, Open
+    MPI's ``OMPI_COMM_WORLD_SIZE``, ...), or None when none does (Slurm's PMIx plugin
+    sets ``PMIX_RANK`` but no size)."""
+    for name in _MPI_SIZE_VARS:
+        if env.get(name, "").isdigit():
+            return int(env[name])
+    return None
+
+
 def detect_launcher(env: dict[str, str] | None = None) -> str:
-    """``torchrun``, ``mpi``, ``slurm`` or ``single``, from the environment alone."""
+    """``torchrun``, ``mpi``, ``slurm`` or ``single``, from the environment alone.
+
+    MPI's variables select mpi4py only when MPI's world is the launcher's. Under ``srun``
+    (``SLURM_PROCID``, ``SLURM_NTASKS`` > 1) Slurm's MPI plugin sets ``PMI_RANK`` or
+    ``PMIX_RANK`` whether or not the installed MPI speaks that PMI (a plain ``srun`` on a
+    cluster whose default is PMIx, with the pip MPICH, which does not): MPI is used only
+    when the variables announce a world of ``SLURM_NTASKS`` ranks (``--mpi=pmi2``); when
+    they announce none, or one rank, the Slurm path starts the job from ``SLURM_*``. A
+    world of several ranks that differs from ``SLURM_NTASKS`` is an MPI launcher's own
+    inside an allocation (``mpirun`` in a batch script): MPI.
+    """
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:
         return "torchrun"
+    slurm_tasks = int(env["SLURM_NTASKS"]) if "SLURM_PROCID" in env and env.get("SLURM_NTASKS", "").isdigit() else 0
     if any(v in env for v in _MPI_RANK_VARS) or "OMPI_COMM_WORLD_SIZE" in env:
+        mpi_size = mpi_world_size(env)
+        if slurm_tasks > 1 and (mpi_size is None or mpi_size <= 1):
+            return "slurm"  # MPI would not see srun's world: Slurm's variables do
         return "mpi"
-    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+    if slurm_tasks > 1:
         return "slurm"
     return "single"
+
+
+class RendezvousError(RuntimeError):
+    """The rendezvous host cannot be reached by name (the message names it and its source)."""
+
+
+def check_rendezvous_host(host: str, source: str) -> None:
+    """Fail at once, naming ``host`` and where it came from, when it does not resolve:
+    otherwise every rank retries the connection until the process group's timeout."""
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError as err:
+        raise RendezvousError(f"the rendezvous host {host!r} ({source}) does not resolve on "
+                              f"{socket.gethostname()}: {err}; set MASTER_ADDR to an address every node "
+                              f"can reach (docs/cluster.md)") from None
 
 
 def first_slurm_host(nodelist: str) -> str:
@@ -178,8 +219,13 @@ def init(spatial: Sequence[int] | Callable[[Any], Sequence[int]] = (1, 1, 1), *,
         store = (host, int(port))
     elif launcher == "slurm":
         # The step's first node, not the job's: concurrent steps (weak scaling) each rendezvous on their own.
-        host = os.environ.get("MASTER_ADDR") or first_slurm_host(
-            os.environ.get("SLURM_STEP_NODELIST") or os.environ["SLURM_JOB_NODELIST"])
+        nodelist_var = "SLURM_STEP_NODELIST" if os.environ.get("SLURM_STEP_NODELIST") else "SLURM_JOB_NODELIST"
+        if os.environ.get("MASTER_ADDR"):
+            host, source = os.environ["MASTER_ADDR"], "MASTER_ADDR"
+        else:
+            host = first_slurm_host(os.environ[nodelist_var])
+            source = f"the first node of {nodelist_var}={os.environ[nodelist_var]}"
+        check_rendezvous_host(host, source)
         port = int(os.environ.get("MASTER_PORT") or 20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000)
         dist.init_process_group(backend, init_method=f"tcp://{host}:{port}",
                                 rank=int(os.environ["SLURM_PROCID"]),

@@ -8,7 +8,8 @@
 #   bash scripts/submit.sh --system cpu --mode weak --instances 8
 #
 # Sourced by scripts/run.sub and scripts/submit.sh; every value can be overridden from
-# the environment. Paths are examples: point them at your file system.
+# the environment (SBATCH_EXTRA= and SRUN_EXTRA= empty clear their flags). Paths are
+# examples: point them at your file system.
 if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then   # run (--help), not sourced: show the text above
     awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0
 fi
@@ -27,11 +28,12 @@ fi
 : "${WALLTIME:=04:00:00}"
 : "${SPATIAL:=[4,2,2]}"
 : "${EXTRA_ARGS:=data.workers=1}"
-: "${SRUN_EXTRA:=}"
+: "${SRUN_EXTRA=}"
 : "${MODE:=strong}"
 : "${NEXP:=10}"
 : "${INSTANCES:=8}"
 : "${NODES_PER_INSTANCE:=4}"
 : "${TIMEOUT:=0}"
 : "${DROP_CACHES_CMD:=}"
-: "${SBATCH_EXTRA:=}"
+: "${SBATCH_EXTRA=}"
+: "${TIME_LIMIT_SIGNAL_S:=300}"                   # sbatch --signal=B:USR1@300: checkpoint and stop 5 min before the limit

@@ -7,7 +7,8 @@
 #   bash scripts/submit.sh --system h200x8 --mode weak --instances 4   # 4 x 4 nodes
 #
 # Sourced by scripts/run.sub and scripts/submit.sh; every value can be overridden from
-# the environment. Paths are examples: point them at your file system.
+# the environment (SBATCH_EXTRA= and SRUN_EXTRA= empty clear their flags). Paths are
+# examples: point them at your file system.
 if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then   # run (--help), not sourced: show the text above
     awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0
 fi
@@ -26,11 +27,12 @@ fi
 : "${WALLTIME:=01:00:00}"
 : "${SPATIAL:=[2,1,1]}"                             # spatial group of 2 within a node
 : "${EXTRA_ARGS:=train.global_batch_size=256 data.workers=4 train.precision=bf16}"
-: "${SRUN_EXTRA:=--gpus-per-node=8}"
+: "${SRUN_EXTRA=--gpus-per-node=8}"
 : "${MODE:=strong}"
 : "${NEXP:=10}"                                     # MLPerf: 10 strong-scaling results
 : "${INSTANCES:=4}"
 : "${NODES_PER_INSTANCE:=4}"
 : "${TIMEOUT:=0}"
 : "${DROP_CACHES_CMD:=}"                            # e.g. "sudo /sbin/sysctl vm.drop_caches=3"
-: "${SBATCH_EXTRA:=--gpus-per-node=8}"              # more sbatch flags (account, partition, ...)
+: "${SBATCH_EXTRA=--gpus-per-node=8}"              # more sbatch flags (account, partition, ...)
+: "${TIME_LIMIT_SIGNAL_S:=300}"                   # sbatch --signal=B:USR1@300: checkpoint and stop 5 min before the limit

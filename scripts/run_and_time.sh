@@ -29,12 +29,18 @@
 # root; data.stage_dir=STAGE_DIR/spatialcnn_<job>_<instance>_<split>, empty: read in place), ORG,
 # SYSTEM (mlperf.org, mlperf.platform), DIVISION, STATUS, EXTRA_ARGS (more Hydra overrides,
 # split at spaces), SRUN_EXTRA (more srun flags), SRUN_MPI (srun --mpi, default none: the
-# ranks meet through SLURM_* variables).
+# ranks meet through SLURM_* variables; pmi2 for the pip MPICH, see docs/cluster.md),
+# JOB_TAG (names the staging folder; run.sub sets it).
 #
 # Threads and binding: OMP_NUM_THREADS = cores per node / ranks per node. srun gets
 # --cpus-per-task, --cpu-bind=cores and --distribution=block:block (consecutive ranks, and
 # with them each spatial group, on one node); local launches go through scripts/launch.sh.
-# Exit status: the training's when it failed, 3 when it ended without reaching the target.
+# Under srun each task runs through scripts/srun_task.sh: when the step fails, the task
+# that failed first is named with its own exit status, which becomes this script's. The
+# tasks and cores per node are checked against SLURM_CPUS_ON_NODE before srun starts.
+# A result is read only from an mlperf.log this run wrote.
+# Exit status: the training's when it failed (under srun: the first failed task's), 3 when
+# it ended without reaching the target, 4 when run.stop_signal stopped it (checkpoint kept).
 set -euo pipefail
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -85,7 +91,8 @@ THREADS=$(( CORES_PER_NODE / RANKS_PER_NODE > 0 ? CORES_PER_NODE / RANKS_PER_NOD
 OVERRIDES=("run.dir=$RUN_DIR" "train.seed=$SEED")
 [[ -n "${DATA_DIR:-}" ]] && OVERRIDES+=("data.dir=$DATA_DIR")
 # One staging folder per job, instance and split: runs of a job reuse it, other grids never do.
-[[ -n "${STAGE_DIR:-}" ]] && OVERRIDES+=("data.stage_dir=$STAGE_DIR/spatialcnn_${SLURM_JOB_ID:-${JOB_TAG:-local}}_${INSTANCE}_${SPATIAL//,/x}")
+# JOB_TAG (run.sub: job id and submission time) keeps a repeated job id from reusing them.
+[[ -n "${STAGE_DIR:-}" ]] && OVERRIDES+=("data.stage_dir=$STAGE_DIR/spatialcnn_${JOB_TAG:-${SLURM_JOB_ID:-local}}_${INSTANCE}_${SPATIAL//,/x}")
 [[ -n "${ORG:-}" ]] && OVERRIDES+=("mlperf.org=$ORG")
 [[ -n "${SYSTEM:-}" ]] && OVERRIDES+=("mlperf.platform=$SYSTEM")
 [[ -n "${DIVISION:-}" ]] && OVERRIDES+=("mlperf.division=$DIVISION")
@@ -94,12 +101,23 @@ read -ra EXTRA <<< "${EXTRA_ARGS:-}"
 OVERRIDES+=("${EXTRA[@]}" "$@")
 
 mkdir -p "$RUN_DIR"
+# The result is read only from a log this run wrote (an earlier job's is never reported).
+marker=$RUN_DIR/.run_and_time.start
+touch "$marker"
 start=$(date +%s)
 start_fmt=$(date +'%Y-%m-%d %r')
 echo "run_and_time.sh: STARTING TIMING RUN AT $start_fmt (instance $INSTANCE, seed $SEED, $LAUNCHER)"
 case "$LAUNCHER" in
     srun)
         ntasks=$(( NODES_PER_RUN * RANKS_PER_NODE ))
+        # Tasks and cores against the node, before srun ("More processors requested than permitted").
+        if [[ -n "${SLURM_CPUS_ON_NODE:-}" ]] && (( RANKS_PER_NODE * THREADS > SLURM_CPUS_ON_NODE )); then
+            echo "run_and_time.sh: RANKS_PER_NODE=$RANKS_PER_NODE x $THREADS thread(s) (CORES_PER_NODE=$CORES_PER_NODE)" \
+                "= $(( RANKS_PER_NODE * THREADS )) CPUs per node, but the job has SLURM_CPUS_ON_NODE=$SLURM_CPUS_ON_NODE" \
+                "on ${SLURMD_NODENAME:-this node}: set CORES_PER_NODE (and RANKS_PER_NODE) to at most $SLURM_CPUS_ON_NODE" >&2
+            exit 2
+        fi
+        TASKS_DIR=$RUN_DIR/tasks_$(date +%s%N)
         # One port per concurrent step; ports below the ephemeral range (32768).
         export MASTER_PORT=${MASTER_PORT:-$(( 20000 + (${SLURM_JOB_ID:-0} * 97 + RUN_INDEX * 64 + INSTANCE) % 12000 ))}
         export OMP_NUM_THREADS=$THREADS LOCAL_WORLD_SIZE=$RANKS_PER_NODE
@@ -111,7 +129,7 @@ case "$LAUNCHER" in
         CMD=(srun --nodes="$NODES_PER_RUN" --ntasks="$ntasks" --ntasks-per-node="$RANKS_PER_NODE"
              --relative="$NODE_OFFSET" --cpus-per-task="$THREADS" --cpu-bind=cores
              --distribution=block:block --mpi="${SRUN_MPI:-none}" --kill-on-bad-exit=1 "${SRUN_MORE[@]}"
-             python -m "$MODEL.train" --config-name "$CONFIG_NAME" "parallel.spatial=[$SPATIAL]" "${OVERRIDES[@]}")
+             "$HERE/srun_task.sh" "$TASKS_DIR" python -m "$MODEL.train" --config-name "$CONFIG_NAME" "parallel.spatial=[$SPATIAL]" "${OVERRIDES[@]}")
         if [[ "$TIMEOUT" != 0 ]]; then CMD=(timeout "$TIMEOUT" "${CMD[@]}"); fi
         echo "run_and_time.sh: OMP_NUM_THREADS=$OMP_NUM_THREADS LOCAL_WORLD_SIZE=$LOCAL_WORLD_SIZE MASTER_PORT=$MASTER_PORT ${CMD[*]}"
         ;;
@@ -126,9 +144,30 @@ esac
 rc=0
 "${CMD[@]}" || rc=$?
 end=$(date +%s)
+if [[ "$LAUNCHER" == srun ]] && (( rc )); then
+    # srun returns the status of the peers it killed (143) or the largest: name the task that failed first.
+    first=$(cat "$TASKS_DIR"/task_* 2>/dev/null | awk '$4 != 0' | sort -n | head -n 1)
+    if [[ -n "$first" ]]; then
+        read -r _ frank fnode fstatus <<< "$first"
+        how="exit status $fstatus"
+        if (( fstatus > 128 )); then how="$how (signal $(( fstatus - 128 )): $(kill -l $(( fstatus - 128 )) 2>/dev/null || echo '?'))"; fi
+        echo "run_and_time.sh: task $frank (rank $frank) on $fnode failed first, $how; srun returned $rc" >&2
+        rc=$fstatus
+    else
+        echo "run_and_time.sh: srun returned $rc and no task recorded its end in $TASKS_DIR" >&2
+    fi
+fi
 echo "run_and_time.sh: ENDING TIMING RUN AT $(date +'%Y-%m-%d %r') (exit $rc, wall $((end - start)) s)"
 
 # The score: run_stop - run_start in the MLPerf log, and the status run_stop carries.
+if [[ ! "$RUN_DIR/mlperf.log" -nt "$marker" ]]; then
+    echo "run_and_time.sh: $RUN_DIR/mlperf.log was not written by this run (exit $rc): no result" >&2
+    exit $(( rc ? rc : 1 ))
+fi
+if [[ -f "$RUN_DIR/summary.json" && "$RUN_DIR/summary.json" -nt "$marker" ]] && grep -q '"status": "stopped_by_signal"' "$RUN_DIR/summary.json"; then
+    echo "run_and_time.sh: stopped by run.stop_signal; its checkpoint is in $RUN_DIR/checkpoints (resume: train.resume=true): no result"
+    exit 4
+fi
 read -r seconds status < <(python - "$RUN_DIR/mlperf.log" <<'EOF'
 import json, sys
 start = stop = None

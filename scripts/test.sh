@@ -8,7 +8,7 @@
 #
 # Tiers (tests/conftest.py): unit = pure logic and single-process work on real files;
 # ranks = several gloo ranks of the spawned pool; launch = python -m, torchrun, mpirun,
-# Slurm variables and the scripts.
+# Slurm variables, the scripts and a real Slurm on this machine (tests/slurm_cluster.py).
 set -euo pipefail
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
     sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'

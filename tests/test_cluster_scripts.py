@@ -173,7 +173,7 @@ def test_sbatch_weak_scaling_instances_on_their_own_nodes(data, tmp_path):
     proc = _run(["bash", "scripts/submit.sh", "--system", "local", "--mode", "weak", "--instances", "2"], env)
     job = re.search(r"Submitted batch job (\d+)", proc.stdout)
     assert job and "sbatch -N 2 " in proc.stdout, proc.stdout
-    out_file = ROOT / "runs" / f"slurm-{job.group(1)}.out"
+    (out_file,) = (ROOT / "runs").glob(f"slurm-{job.group(1)}_*.out")  # the submission time in its name
     try:
         out = out_file.read_text()
     finally:

@@ -10,7 +10,8 @@ Two modes:
 
 The ranks of a node (as the placement gathered at start-up found them, or ``rank //
 local_size`` when a caller says how many consecutive ranks a node holds) share the work
-round-robin and wait for each other. The destination gets a manifest listing every
+round-robin and wait for each other on the grid's CPU group (gloo, also beside NCCL).
+The destination gets a manifest listing every
 source file with its sample count and the source directory, so that
 ``BlockDataset(dest)`` keeps the global sample numbering and reads anything not staged
 (e.g. samples a partial shuffle brings in) from the source.
@@ -114,21 +115,29 @@ def stage(source: str | os.PathLike, dest: str | os.PathLike, grid: Any,
     seconds = time.perf_counter() - t0
     totals = [float(nbytes), float(nfiles)]
     seconds_max = seconds
-    if comm.group_size(None) > 1:
-        device = comm.group_device(None)
-        totals = comm.all_reduce_(torch.tensor(totals, dtype=torch.float64, device=device), None).tolist()
+    group = _cpu_group(grid)
+    if comm.group_size(group) > 1:
+        device = comm.group_device(group)
+        totals = comm.all_reduce_(torch.tensor(totals, dtype=torch.float64, device=device), group).tolist()
         slowest = torch.tensor([seconds], dtype=torch.float64, device=device)
-        seconds_max = float(comm.all_reduce_(slowest, None, "max"))
+        seconds_max = float(comm.all_reduce_(slowest, group, "max"))
     log.info("staged %d files, %.1f MB in %.1f s on rank %d (all ranks: %d files, %.1f MB)",
              nfiles, nbytes / 1e6, seconds, grid.rank, totals[1], totals[0] / 1e6)
     return StageReport(path=dest, bytes=nbytes, files=nfiles, seconds=seconds,
                        bytes_total=int(totals[0]), files_total=int(totals[1]), seconds_max=seconds_max)
 
 
+def _cpu_group(grid: Any) -> Any:
+    """The grid's CPU (gloo) group of the world: a node that copies slower only keeps the
+    others waiting on the host, never inside an NCCL collective, whose watchdog would
+    abort the job after its timeout. None (the default group) for a grid without one."""
+    return getattr(grid, "cpu_group", None)
+
+
 def _barrier(grid: Any) -> None:
     # The world, not a node group: creating node groups would itself be collective, and
     # staging happens once, before training.
-    comm.barrier(None)
+    comm.barrier(_cpu_group(grid), caller="staging")
 
 
 def _copy_file(src: Path, out: Path) -> int:

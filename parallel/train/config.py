@@ -328,6 +328,10 @@ class RunConfig:
     """Logging level of the framework's logger."""
     tensorboard: bool = True
     """Write TensorBoard events."""
+    stop_signal: Optional[str] = None
+    """Signal (e.g. ``USR1``: Slurm's ``--signal=B:USR1@N`` before a time limit) on which the
+    run writes its checkpoint after the current step and stops, to be resumed with
+    ``train.resume=true`` (``parallel.train.stopsignal``). None: off."""
 
 
 @dataclass

@@ -23,7 +23,7 @@ import torch
 import parallel
 from parallel.data.reader import SampleReadError
 from parallel.grid import Grid
-from parallel.launch import env_rank
+from parallel.launch import RendezvousError, env_rank
 from parallel.partition import SplitError
 from parallel.train import checkpoint
 from parallel.train.checks import ConfigError, InputError, JobChecks, is_auto
@@ -79,6 +79,9 @@ def train(cfg: JobConfig, family: Family, config_text: str | None = None) -> dic
         if auto:
             log.info("parallel.spatial=auto chose %s for %d ranks (parallel.plan)", "x".join(map(str, grid.spatial)),
                      grid.world_size)
+    except RendezvousError as err:  # before any process group: every rank says so and leaves at once
+        log.error("%s", err)
+        raise SystemExit(EXIT_USER) from err
     except ValueError as err:  # the grid does not fit the world size, or auto found no split
         if env_rank() == 0:  # every rank finds the same: one message
             log.error("bad config: parallel.spatial=%s: %s", "auto" if auto else list(cfg.parallel.spatial), err)

@@ -23,7 +23,7 @@ from mlperf_logging.mllog import constants as C
 import parallel
 from parallel.grid import Grid
 from parallel.infer import evaluation_due
-from parallel.train import checkpoint, rng
+from parallel.train import checkpoint, rng, stopsignal
 from parallel.train.checks import InputError, JobChecks
 from parallel.train.config import JobConfig
 from parallel.train.data import build_data
@@ -49,6 +49,7 @@ class Trainer:
         built. ``on_start``: called (every rank) once the checks passed and a resume is
         known to proceed, before any file of the run is written, moved or cut."""
         self.cfg, self.family, self.grid = cfg, family, grid
+        self.stop = stopsignal.arm(cfg.run.stop_signal, grid)  # first: the signal may come during start-up
         run_dir = Path(cfg.run.dir)
         self.ckpt_path = checkpoint.checkpoint_path(run_dir)
         self.resuming = cfg.train.resume and self.ckpt_path.is_file()
@@ -183,8 +184,16 @@ class Trainer:
                     loss_sum, loss_n, t_log, n_log = torch.zeros((), device=grid.device), 0, time.perf_counter(), 0
                 if cfg.run.checkpoint_every and p.step % cfg.run.checkpoint_every == 0:
                     self.save(time.perf_counter() - t_run)
+                if self.stop is not None and p.step < total and self.stop.due():
+                    self.save(time.perf_counter() - t_run)  # as a checkpoint_every save: a resume goes on from here
+                    self.stop.step = p.step
+                    log.warning("run.stop_signal %s: stopped after step %d of %d; checkpoint %s; resume with "
+                                "train.resume=true", self.stop.signum.name, p.step, total, self.ckpt_path)
+                    break
                 if p.step >= total:
                     break
+            if self.stop is not None and self.stop.step is not None:
+                break
             train_s += time.perf_counter() - t_epoch
             self.ml.end(C.EPOCH_STOP, epoch_num=p.epoch + 1)
             finished_epoch = p.step % spe == 0
@@ -207,6 +216,9 @@ class Trainer:
         self.ml.end(C.RUN_STOP, status=status)  # MLPerf knows only success and aborted
         if status != "success":  # the summary says why the run ended
             status = "max_steps" if cfg.train.max_steps and p.step >= cfg.train.max_steps else "completed"
+        if self.stop is not None:
+            self.stop.close()
+            status = "stopped_by_signal" if self.stop.step is not None else status
         session = {"first_step": first_step, "steps": p.step - first_step, "samples": p.samples - first_samples,
                    "train_seconds": train_s}
         self.ml.close()
