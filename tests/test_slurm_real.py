@@ -92,7 +92,7 @@ def _compliant(result: Path) -> bool:
 
 
 def _weights(run: Path) -> dict[str, torch.Tensor]:
-    ckpt = torch.load(run / "checkpoints" / "last.pt", map_location="cpu", weights_only=False)
+    ckpt = torch.load(run / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
     return ckpt["model"]
 
 
@@ -315,7 +315,7 @@ def test_scancel_mid_run_leaves_a_usable_checkpoint_and_a_resubmission_resumes(s
     slurm.run(["scancel", job])
     assert slurm.wait_job(job, 60) == "CANCELLED"
     _console(job)
-    saved = torch.load(ckpt, map_location="cpu", weights_only=False)  # usable after the kill
+    saved = torch.load(ckpt, map_location="cpu", weights_only=True)  # usable after the kill
     step = int(saved["step"])
     assert step >= 1 and "model" in saved
     target = step + 2
