@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from slurm_cluster import SlurmCluster, alive, slurm  # noqa: F401 - the session fixture
+from train_helpers import prepare
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
@@ -33,11 +34,7 @@ CONSOLES: list[Path] = []  # the jobs' runs/slurm-<job>_<time>.out, removed at t
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("slurm_data") / "cosmo"
-    subprocess.run([sys.executable, "-m", "cosmoflow.prepare", "synthetic", "--out", str(root), "--size", "16",
-                    "--train", "8", "--val", "4", "--seed", "0", "--quiet", "--workers", "1"], check=True,
-                   capture_output=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    return root
+    return prepare("cosmoflow", tmp_path_factory.mktemp("slurm_data") / "cosmo", 16, 8, 4)
 
 
 @pytest.fixture(scope="module", autouse=True)
