@@ -82,6 +82,8 @@ TIERS = {
     "test_user_model_config": "unit",
     "test_user_models": "launch",
     "test_verify": "ranks",
+    "test_torch_floor": "unit",
+    "test_device_paths": "unit",
     "test_watchdog": "unit",
 }
 
