@@ -333,8 +333,9 @@ def _with_summary(r: Result) -> Result:
     s = r.data.get("summary") or {}
     if s and r.status == "pass":
         mib = max(s.get("peak_memory_bytes_per_rank") or [0]) / 2**20
+        reserved = max(s.get("peak_reserved_bytes_per_rank") or [0]) / 2**20
         r.notes = (f"{s.get('steps')} steps, {s.get('samples_per_s', 0):.2f} samples/s, "
-                   f"peak memory {mib:.0f} MiB per rank (summary.json)")
+                   f"peak memory {mib:.0f} MiB allocated, {reserved:.0f} MiB reserved per rank (summary.json)")
     return r
 
 

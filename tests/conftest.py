@@ -84,6 +84,7 @@ TIERS = {
     "test_verify": "ranks",
     "test_torch_floor": "unit",
     "test_device_paths": "unit",
+    "test_peak_memory": "unit",
     "test_gpu_check_timeouts": "launch",
     "test_watchdog": "unit",
 }

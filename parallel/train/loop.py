@@ -30,7 +30,8 @@ from parallel.train.evaluate import evaluate
 from parallel.train.family import Family
 from parallel.train.mlperf import log_submission, open_log
 from parallel.train.optim import Schedule, build_optimizer
-from parallel.train.report import Reporter, format_summary, gather_per_rank, peak_memory_bytes, summarize
+from parallel.train.report import (Reporter, format_summary, gather_per_rank, peak_memory_bytes, peak_reserved_bytes,
+                                   reset_peak_memory, summarize)
 from parallel.train.state import TrainState, plain_config
 from parallel.train.step import NonFiniteGuard, TrainStep
 
@@ -83,6 +84,7 @@ class Trainer:
                                            shard_linear=str(cfg.optim.name) != "kfac")
         verification.run(serial, self.pmodel, cfg, grid, self.data.volume, facts.channels)  # parallel.verify
         del serial
+        reset_peak_memory(grid.device)  # the summary's peaks are training's, not the float64 verification's
         torch.manual_seed(cfg.train.seed + 7919 * (grid.rank + 1))  # per-rank dropout stream
         scaler = torch.amp.GradScaler("cuda") if cfg.train.precision == "fp16" else None
         # weight decay only where the family's reference applies it (one group when there is none to apply)
@@ -247,7 +249,7 @@ class Trainer:
         io = self.progress.io
         b0, w0, s0 = getattr(self, "_io0", (0, 0.0, 0))  # this session's reading only
         return gather_per_rank([peak_memory_bytes(self.grid.device), io.bytes_read - b0, io.wait_seconds - w0,
-                                io.samples - s0], self.grid)
+                                io.samples - s0, peak_reserved_bytes(self.grid.device)], self.grid)
 
 
 def _data_mean(x: torch.Tensor, grid: Grid) -> float:
