@@ -85,6 +85,7 @@ TIERS = {
     "test_torch_floor": "unit",
     "test_device_paths": "unit",
     "test_peak_memory": "unit",
+    "test_random_draws": "ranks",
     "test_gpu_check_timeouts": "launch",
     "test_watchdog": "unit",
 }

@@ -17,3 +17,52 @@ def step_grid_devices(grid: Grid) -> list[str]:
     on_gpu = copy.copy(grid)
     on_gpu.device = torch.device("cuda", 0)
     return [str(g.device) for g in step_grids(on_gpu)]
+
+
+def efficientnet_stochastic_depth(grid: Grid, shape: tuple[int, ...]) -> dict[str, float]:
+    """MONAI's EfficientNet-B0 in training mode with stochastic depth on (float64): verified
+    against its serial self at ``parallelize``, the global stream left where it was, and a
+    forward from a seed equal to the serial forward from that seed."""
+    import parallel
+    from monai.networks.nets import EfficientNetBN
+    from monai.networks.nets.efficientnet import MBConvBlock
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        serial = EfficientNetBN("efficientnet-b0", spatial_dims=3, in_channels=1, num_classes=2).train()
+        rates = [m.drop_connect_rate for m in serial.modules() if isinstance(m, MBConvBlock) and m.drop_connect_rate]
+        assert len(rates) >= 10 and max(rates) > 0.15, rates  # B0's blocks, from 0 to 0.2 by depth
+        # The head's nn.Dropout is converted to a dropout with a stream of its own (parallel.layers.dropout):
+        # this case is about the draws in the network's own forward.
+        serial._dropout.p = 0.0
+        state = torch.get_rng_state()
+        pmodel = parallel.parallelize(copy.deepcopy(serial), grid, verify=shape)  # raises if it differs
+        assert torch.equal(torch.get_rng_state(), state), "verification moved the global stream"
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            torch.manual_seed(5)
+            ref = serial(x)
+            torch.manual_seed(5)
+            out = pmodel(parallel.scatter(x, grid))
+            torch.manual_seed(6)
+            other = serial(x)
+        return {"split": float((out - ref).abs().max() / ref.abs().max()),
+                "another_seed": float((other - ref).abs().max() / ref.abs().max())}
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def noise_is_stopped_by_verify(grid: Grid) -> str:
+    """``parallelize(..., verify=probe)`` of a network adding volume-shaped noise: the message."""
+    import parallel
+    from parallel.verify import VerificationError
+    from tests.random_models import NoisyNet
+
+    torch.manual_seed(0)
+    try:
+        parallel.parallelize(NoisyNet().train(), grid, verify=(1, 4, 8, 8, 8))
+    except VerificationError as err:
+        return str(err)
+    raise AssertionError("NoisyNet passed verification")

@@ -22,6 +22,7 @@ from mlperf_logging.mllog import constants as C
 
 import parallel
 from parallel.grid import Grid
+from parallel.random_draws import stream_seed
 from parallel.infer import evaluation_due
 from parallel.train import cases, checkpoint, preflight, verification
 from parallel.train.config import JobConfig
@@ -85,7 +86,9 @@ class Trainer:
         verification.run(serial, self.pmodel, cfg, grid, self.data.volume, facts.channels)  # parallel.verify
         del serial
         reset_peak_memory(grid.device)  # the summary's peaks are training's, not the float64 verification's
-        torch.manual_seed(cfg.train.seed + 7919 * (grid.rank + 1))  # per-rank dropout stream
+        # one global stream per data group, alike on the ranks of a spatial group (the serial run's for
+        # data group 0): random draws in a network's forward (stochastic depth) equal the serial run's
+        torch.manual_seed(stream_seed(cfg.train.seed, grid.data_rank))
         scaler = torch.amp.GradScaler("cuda") if cfg.train.precision == "fp16" else None
         # weight decay only where the family's reference applies it (one group when there is none to apply)
         chosen = family.decayed is not None and not cfg.optim.decay_all and cfg.optim.weight_decay > 0

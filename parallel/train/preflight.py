@@ -33,6 +33,7 @@ from parallel.data.check import check_file
 from parallel.data.format import SampleSpec, read_manifest, sample_files
 from parallel.grid import Grid
 from parallel.partition import DIM_NAMES, SplitError
+from parallel.random_draws import check_model as check_random_draws
 from parallel.train.config import JobConfig
 from parallel.train.family import Family
 from parallel.train.usermodel import check_user_model, is_user_model
@@ -352,6 +353,7 @@ def check_model(family: Family, model_cfg: Any, volume: Sequence[int], channels:
             h.remove()
     if grid.spatial_size == 1:
         return
+    check_random_draws(model, (channels, *volume), grid.spatial, InputError)  # noise shaped like the split volume
     for layer in layers:
         if layer.replicated or len(layer.in_shape) != 4 or len(layer.out_shape) != 4:
             continue  # after a global pool every rank holds the whole tensor
