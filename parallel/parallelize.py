@@ -29,7 +29,7 @@ from parallel.layers.norm import SpatialBatchNorm3d, SpatialGroupNorm, SpatialIn
 from parallel.layers.pad import SpatialCircularPad3d, SpatialConstantPad3d, SpatialZeroPad3d
 from parallel.layers.pool import SpatialAvgPool3d, SpatialMaxPool3d
 from parallel.layers.replicated import is_replicated
-from parallel.layers.shapes import ShapeTracker, infer_global_dims
+from parallel.layers.shapes import ShapeTracker
 from parallel.layers.upsample import SpatialUpsample
 from parallel.recompute import checkpoint_blocks
 
@@ -242,7 +242,7 @@ class ParallelModule(nn.Module):
         volume = _first_volume(args, kwargs)
         key = None
         if volume is not None and self.grid.spatial_size > 1:
-            key = infer_global_dims(volume, self.grid, "model input")
+            key = self.shapes.input_dims(volume, "model input")
         with self.shapes.forward(key):
             out = self.module(*args, **kwargs)
         return self._mark_replicated(out)
@@ -255,6 +255,11 @@ class ParallelModule(nn.Module):
         if isinstance(out, dict):
             return {k: self._mark_replicated(v) for k, v in out.items()}
         return out
+
+    def fixed_input(self, volume: Sequence[int]) -> contextlib.AbstractContextManager:
+        """Inside: every input is a block of a global (D, H, W) ``volume`` (training batches),
+        so the forward needs no all-gather of block sizes (``ShapeTracker.fixed``)."""
+        return self.shapes.fixed(volume)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

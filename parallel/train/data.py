@@ -9,6 +9,7 @@ The loaders yield ``(Batch, StepStats)``: the batch's fields and, when
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -128,6 +129,17 @@ class JobData:
     volume: tuple[int, int, int]
     """What the network trains on: the crop, or the cases' volume."""
     staging_seconds: float = 0.0
+    fixed_volume: tuple[int, int, int] | None = None
+    """The global (D, H, W) of every training batch (a crop, or cases of one shape); None
+    where cases of several shapes are trained whole (one per data group and step)."""
+
+
+def fixed_shapes(pmodel: Any, data: JobData) -> contextlib.AbstractContextManager:
+    """Where every training batch has one volume, the training steps' forwards take their
+    global shape from it: no all-gather of block sizes per forward and micro-batch."""
+    if data.fixed_volume is None or not hasattr(pmodel, "fixed_input"):
+        return contextlib.nullcontext()
+    return pmodel.fixed_input(data.fixed_volume)
 
 
 def split_dir(cfg: JobConfig, split: str, family: Family) -> Path:
@@ -215,4 +227,6 @@ def build_data(cfg: JobConfig, family: Family, grid: Grid, facts: SampleFacts) -
         train=Batches(_loader(train_ds, train_sampler, cfg, grid, cfg.train.seed + 1)),
         val=Batches(_loader(val_ds, val_sampler, cfg, grid, cfg.train.seed + 2)),
         n_train=n_train, n_val=n_val, volume=cases.train_volume(cfg, facts.volume), staging_seconds=staging,
+        fixed_volume=cases.train_volume(cfg, facts.volume) if cfg.data.crop is not None
+        or len({tuple(shape) for _, shape in facts.train_shapes}) <= 1 else None,
     )

@@ -26,7 +26,7 @@ from parallel.random_draws import stream_seed
 from parallel.infer import evaluation_due
 from parallel.train import cases, checkpoint, preflight, verification
 from parallel.train.config import JobConfig
-from parallel.train.data import build_data
+from parallel.train.data import build_data, fixed_shapes
 from parallel.train.evaluate import evaluate
 from parallel.train.family import Family
 from parallel.train.mlperf import log_submission, open_log
@@ -165,7 +165,8 @@ class Trainer:
             self.ml.start(C.EPOCH_START, epoch_num=p.epoch + 1)
             t_epoch = time.perf_counter()
             for batch, stats in self.data.train:
-                loss_sum += self.train_step(batch)
+                with fixed_shapes(self.pmodel, self.data):  # no per-forward all-gather of block sizes
+                    loss_sum += self.train_step(batch)
                 loss_n += 1
                 n_log += 1
                 p.step += 1
