@@ -45,3 +45,19 @@ def test_trial_times_are_reduced_on_the_groups_device(monkeypatch):
 def test_the_step_benchmarks_grids_are_on_the_jobs_device(pools):
     devices = pools.run(2, host_cases.step_grid_devices, spatial=(2, 1, 1))
     assert devices == [["cuda:0", "cuda:0"]] * 2
+
+
+def test_training_batches_are_copied_ahead_on_gpus_only():
+    # CUDA: the train loader leaves batches in pinned host memory and Batches copies each
+    # one a step ahead on a side stream (parallel.train.prefetch, run by gpu_check's
+    # trainings); the CPU path hands the loader's tensors through unchanged.
+    from parallel.train.data import Batches
+    from parallel.train.prefetch import AheadCopies, copies_ahead
+
+    assert copies_ahead(torch.device("cuda", 0)) and not copies_ahead(torch.device("cpu"))
+    assert not copies_ahead(None)
+    fields = {"x": torch.ones(2, 1, 4, 4, 4)}
+    plain = list(Batches([(dict(fields), "stats")]))
+    assert plain[0][0].fields["x"] is fields["x"] and plain[0][1] == "stats"
+    ahead = Batches([(dict(fields), "stats")], torch.device("cuda", 0))
+    assert ahead.ahead == torch.device("cuda", 0) and isinstance(AheadCopies(ahead.loader, ahead.ahead), AheadCopies)
