@@ -86,6 +86,7 @@ TIERS = {
     "test_device_paths": "unit",
     "test_peak_memory": "unit",
     "test_random_draws": "ranks",
+    "test_step_audit": "ranks",
     "test_gpu_check_timeouts": "launch",
     "test_watchdog": "unit",
 }

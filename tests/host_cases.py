@@ -66,3 +66,27 @@ def noise_is_stopped_by_verify(grid: Grid) -> str:
     except VerificationError as err:
         return str(err)
     raise AssertionError("NoisyNet passed verification")
+
+
+def audited_steps(grid: Grid, family: str, data_dir: str, run_dir: str, overrides: list[str]) -> list[dict]:
+    """Train through the Trainer's real loop (``fit``) with its ``TrainStep`` audited: each
+    step's collectives and host reads (tests/step_audit.py)."""
+    from hydra import compose, initialize_config_dir
+
+    from parallel.train.cli import CONFIG_ROOT, register
+    from parallel.train.config import to_dataclass
+    from parallel.train.family import get
+    from parallel.train.loop import Trainer
+    from step_audit import AuditedStep
+
+    fam = get(family)
+    register(fam)
+    with initialize_config_dir(config_dir=str(CONFIG_ROOT / family), version_base=None):
+        cfg = to_dataclass(compose(config_name="quickstart", overrides=[
+            f"data.dir={data_dir}", f"run.dir={run_dir}", f"parallel.spatial={list(grid.spatial)}", *overrides]),
+            fam.config_class)
+    trainer = Trainer(cfg, fam, grid)
+    audited = AuditedStep(trainer.train_step)
+    trainer.train_step = audited  # type: ignore[assignment]
+    trainer.fit()
+    return audited.per_step

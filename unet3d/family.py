@@ -121,21 +121,22 @@ def augment(batch: dict[str, torch.Tensor], gen: torch.Generator, grid: Grid,
     if n == 0:  # the whole spatial group holds no rows this step: nothing to exchange
         return batch
     # every rank draws the whole global batch's choices and keeps its own rows
-    draws = torch.rand(total, 7, generator=gen, dtype=torch.float64)[offset:offset + n]
-    keys = torch.randint(0, 2**31 - 1, (total,), generator=gen)[offset:offset + n]
+    # drawn by a CPU generator and read once as Python numbers (host data on every device)
+    draws = torch.rand(total, 7, generator=gen, dtype=torch.float64)[offset:offset + n].tolist()
+    keys = torch.randint(0, 2**31 - 1, (total,), generator=gen)[offset:offset + n].tolist()
     volume = input_volume(image, grid, "unet3d augment")  # the training loop declares it: no gather
     block = grid.block_range(volume) if grid.spatial_size > 1 else [(0, v) for v in volume]
     images, labels = [], []
     for i in range(n):
         x, y = image[i:i + 1], label[i:i + 1].unsqueeze(1)
-        dims = [d for d in (2, 3, 4) if draws[i, d - 2] < aug.flip_prob]
+        dims = [d for d in (2, 3, 4) if draws[i][d - 2] < aug.flip_prob]
         x = spatial_augment.flip(x, dims, grid, volume)
         y = spatial_augment.flip(y, dims, grid, volume)
-        if draws[i, 3] < aug.brightness_prob:
-            x = x * brightness_scale(float(draws[i, 4]), aug.brightness, aug.brightness_form)
-        if draws[i, 5] < aug.noise_prob:
-            noise = spatial_augment.voxel_noise(int(keys[i]), x.shape[1], block, volume, x.device)
-            x = x + float(aug.noise_std * draws[i, 6]) * noise.to(x.dtype)[None]
+        if draws[i][3] < aug.brightness_prob:
+            x = x * brightness_scale(draws[i][4], aug.brightness, aug.brightness_form)
+        if draws[i][5] < aug.noise_prob:
+            noise = spatial_augment.voxel_noise(keys[i], x.shape[1], block, volume, x.device)
+            x = x + float(aug.noise_std * draws[i][6]) * noise.to(x.dtype)[None]
         images.append(x)
         labels.append(y.squeeze(1))
     out = dict(batch)
