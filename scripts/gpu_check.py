@@ -200,10 +200,10 @@ class Check:
     def bench(self) -> None:
         """``scripts/benchmark.py step --device cuda``: serial, spatial 2 and data 2 on two GPUs
         (its trial times reduced and its grids built on the GPUs, not the CPU)."""
-        if self.cpu or self.gpus < 2:
-            why = "runs on GPUs only (--cpu: tests/test_device_paths.py checks where its tensors go)" if self.cpu \
-                else "needs 2 GPUs or more"
-            self.record(Result("benchmark step --device cuda", "skip", notes=why))
+        if self.cpu:  # GPUs only: tests/test_device_paths.py checks where its tensors go
+            return
+        if self.gpus < 2:
+            self.record(Result("benchmark step --device cuda", "skip", notes="needs 2 GPUs or more"))
             return
         r = self.run("benchmark step --device cuda",
                      [sys.executable, str(REPO / "scripts" / "benchmark.py"), "step", "--device", "cuda",
