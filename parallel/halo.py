@@ -30,6 +30,7 @@ from typing import Any, Callable, Literal, Sequence
 import torch
 
 from parallel import comm
+from parallel.nested import tensors as _tensors
 from parallel.partition import block_bounds, window_segments
 
 
@@ -228,15 +229,6 @@ class _Done:
 
     def result(self) -> Any:
         return self.value
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    """The tensors in ``obj`` (a tensor, or lists/tuples of them, nested)."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _tensors(o)]
-    return []
 
 
 class _OnSideStream:

@@ -154,8 +154,8 @@ def init(spatial: Sequence[int] | Callable[[Any], Sequence[int]] = (1, 1, 1), *,
     float32 rounding).
     """
     # Here, not at the top: `python -m parallel.placement` must not find itself imported already.
-    from parallel.placement import (Placement, PlacementError, gather_facts, local_position, log_placement,
-                                    plan_devices)
+    from parallel.devices import PlacementError, gather_facts, local_position, plan_devices
+    from parallel.placement import Placement, log_placement
 
     launcher = "external" if dist.is_initialized() else detect_launcher()
     configure_cuda(tf32, cudnn_benchmark)

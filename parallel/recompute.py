@@ -25,19 +25,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from parallel.layers.base import SpatialMixin
+from parallel.layers.dropout import generators as _generators
 
 POOLS = (nn.MaxPool3d, nn.AvgPool3d)
 CONVS = (nn.Conv3d, nn.ConvTranspose3d)
-
-
-def _generators(module: nn.Module) -> list[torch.Generator]:
-    gens = []
-    for m in module.modules():
-        for name in ("group_generator", "rank_generator"):
-            g = getattr(m, name, None)
-            if isinstance(g, torch.Generator):
-                gens.append(g)
-    return gens
 
 
 def _tracker(module: nn.Module) -> Any:

@@ -33,7 +33,8 @@ from parallel.grid import Grid
 from parallel.layers.base import SpatialMixin
 from parallel.layers.norm import SpatialBatchNorm3d
 from parallel.layers.replicated import is_replicated
-from parallel.parallelize import ParallelModule
+from parallel.nested import tensors as _leaves
+from parallel.parallel_module import ParallelModule
 from parallel.partition import SplitError
 from parallel.random_draws import DrawRecorder, SameStream, check_split_draws
 from parallel.scatter import scatter
@@ -105,16 +106,6 @@ def probe_shape(model: nn.Module, grid: Grid, channels: int | None = None,
     channels = _in_channels(model) if channels is None else channels
     factors = _downsampling(model, channels, reach)
     return (grid.data_size, channels, *(max(f * max(2, s), 4) for f, s in zip(factors, grid.spatial)))
-
-
-def _leaves(out: Any) -> list[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (tuple, list)):
-        return [t for o in out for t in _leaves(o)]
-    if isinstance(out, dict):
-        return [t for o in out.values() for t in _leaves(o)]
-    return []
 
 
 class _Recorder(TorchFunctionMode):

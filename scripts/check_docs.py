@@ -42,14 +42,14 @@ COMMAND = re.compile(r"^(python3?|torchrun|mpirun|mpiexec|srun|sbatch|bash|scrip
 
 COSMO_SMALL = "train.max_steps=2 train.global_batch_size=4 model.conv_filters=4 sched.warmup_epochs=0 run.progress=false"
 UNET_SMALL = ("train.max_steps=2 train.global_batch_size=2 model.base_filters=4 model.max_filters=16 "
-              "data.crop=[64,64,64] run.progress=false")
+              "data.crop=[32,32,32] model.depth=3 run.progress=false")
 QUICK = "train.max_steps=2 run.progress=false"
 
 # name -> (model, size, train, val): generated in the scratch folder before a command needs them
 FIXTURES = {
     "data/cosmo": ("cosmoflow", 64, 4, 2),
     "data/cosmo32": ("cosmoflow", 32, 4, 2),
-    "data/kits": ("unet3d", 64, 2, 2),
+    "data/kits": ("unet3d", 32, 2, 2),
 }
 
 
@@ -111,9 +111,9 @@ RULES = [
          append="train.max_steps=2 train.global_batch_size=2 data.crop=[32,32,32] run.progress=false"),
     Rule(r"^python -m unet3d\.predict --run-dir runs/kits ", "all",
          "the README's mpirun run above (2 steps) segments data/kits's val cases"),
-    Rule(r"^mpirun -n 4 python -m unet3d\.train ", "ci", "2 steps of a small U-Net on 32^3 crops",
+    Rule(r"^mpirun -n 4 python -m unet3d\.train ", "ci", "2 steps of a 3-level U-Net on 32^3 crops",
          append=UNET_SMALL),
-    Rule(r"^mpirun -n 8 python -m unet3d\.train ", "all", "2 steps of a small U-Net on data/kits",
+    Rule(r"^mpirun -n 8 python -m unet3d\.train ", "all", "2 steps of a 3-level U-Net on data/kits",
          sub=((r"data\.dir=/data/kits", "data.dir=data/kits"),), append=UNET_SMALL),
     Rule(r"^srun -N 4 --ntasks-per-node 4 .*mlperf512", "skip",
          "16 ranks of the 512^3 network on 4 nodes: a cluster's job"),

@@ -5,11 +5,23 @@ Every test belongs to one tier (a pytest marker; ``scripts/test.sh -m unit`` run
 - ``unit``: pure logic and single-process work on real files, no spawned ranks; the
   whole tier runs in well under a minute.
 - ``ranks``: several gloo ranks of the spawned pool (``tests/harness.py``).
-- ``launch``: real launches (``python -m``, torchrun, mpirun, Slurm variables, scripts).
+- ``launch``: jobs of the entry points (``python -m cosmoflow.train`` ...) and real
+  launches. Jobs that prove numbers (equivalence, cases, resume across grids, K-FAC,
+  user models, predict, runs, schedules) run on the session's job pool
+  (``tests/jobpool.py``: rank processes that imported torch once, each job given
+  torchrun's variables, its argv, cwd and output; ``train_helpers.launch``/``python_m``);
+  what is about the launcher or the process itself (torchrun, mpirun, Slurm, kills, exit
+  codes of dying ranks, scripts) starts real processes. Generated data sets are made once
+  per session and shared read-only (``train_helpers.prepare``; a test that changes files
+  takes ``prepare_copy``).
 
 A module's tier is in ``TIERS``; a test of another tier in that module carries its own
 marker (``@pytest.mark.launch``). ``slow`` marks, besides, the longest launches (``SLOW``:
 40 s or more each on a loaded 2-core machine); ``-m "not slow"`` leaves them out.
+
+``nightly`` (not in CI, not in a plain run: ``scripts/test.sh -m nightly`` runs it) holds
+only repeats of what CI proves elsewhere, each named in ``NIGHTLY`` with the CI test that
+carries its proof.
 """
 
 import os
@@ -27,6 +39,8 @@ TIER_NAMES = ("unit", "ranks", "launch")
 TIERS = {
     "test_bad_input": "unit",
     "test_cases_preflight": "unit",
+    "test_jobpool": "launch",
+    "test_job_checks": "unit",
     "test_comm_adjoint": "ranks",
     "test_comm_layer": "unit",
     "test_layout": "unit",
@@ -112,10 +126,29 @@ SLOW = {
 }
 
 
+NIGHTLY = {
+    # the nightly test -> the CI test that carries the same proof
+    "test_public_api.py::test_public_api_program_exits_cleanly_20_times":
+        "test_public_api.py::test_public_api_program_exits_cleanly (one run per launcher)",
+    "test_gpu_check.py::test_gpu_check_cpu_dry_run_whole":
+        "test_gpu_check.py::test_gpu_check_cpu_dry_run_passes (the script, its self-checks and probe); its "
+        "nested layer tests are the ranks tier's own; its bf16 train/resume/predict steps on the CPU: "
+        "test_train_resume.py::test_gradient_accumulation_matches_and_bf16_runs, test_contract_matrix.py (bf16), "
+        "test_fail_checkpoint.py::test_kill_during_checkpoint_write_then_resume, test_predict.py",
+}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Give every test its module's tier unless it carries one; refuse a module without one."""
+    """Give every test its module's tier unless it carries one; refuse a module without one;
+    leave the nightly tier out unless ``-m`` names it."""
     missing = set()
+    names = {f"{Path(str(item.fspath)).name}::{item.originalname}" for item in items}
+    unknown = [n for n in NIGHTLY if n.split("::")[0] in {k.split("::")[0] for k in names} and n not in names]
+    if unknown:
+        raise pytest.UsageError(f"NIGHTLY in tests/conftest.py names missing tests: {unknown}")
     for item in items:
+        if f"{Path(str(item.fspath)).name}::{item.originalname}" in NIGHTLY:
+            item.add_marker(pytest.mark.nightly)
         if f"{Path(str(item.fspath)).name}::{item.originalname}" in SLOW:
             item.add_marker(pytest.mark.slow)
         own = [m.name for m in item.iter_markers() if m.name in TIER_NAMES]
@@ -131,6 +164,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if missing:
         raise pytest.UsageError(f"test module(s) {', '.join(sorted(missing))} have no tier: add them to TIERS in "
                                 f"tests/conftest.py ({', '.join(TIER_NAMES)})")
+    if "nightly" not in (config.option.markexpr or ""):
+        nightly = [item for item in items if item.get_closest_marker("nightly")]
+        if nightly:
+            config.hook.pytest_deselected(items=nightly)
+            items[:] = [item for item in items if not item.get_closest_marker("nightly")]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def job_pool(tmp_path_factory):
+    """The session's pool of rank processes for ``python -m`` jobs, and its cache of
+    generated data sets (``train_helpers.launch``/``prepare``); both started on first use."""
+    import train_helpers
+    from jobpool import JobPool
+
+    train_helpers.POOL = JobPool()
+    train_helpers.CACHE = tmp_path_factory.mktemp("datasets")
+    yield train_helpers.POOL
+    train_helpers.POOL.close()
+    train_helpers.POOL = None
 
 
 @pytest.fixture(scope="session")

@@ -81,51 +81,73 @@ def _rel(got: torch.Tensor, ref: torch.Tensor, scale: float, what: str) -> float
     return err
 
 
-def check_net(grid: Grid, name: str, shape: tuple[int, ...]) -> dict[str, float]:
-    """The split network equals the serial one: outputs, input gradient, every parameter
-    gradient (mean over data groups, each with its own BatchNorm statistics)."""
+def serial_reference(name: str, shape: tuple[int, ...], data_size: int) -> dict[str, Any]:
+    """The serial network's numbers, computed once in the test process (not on every rank):
+    the input, each data group's outputs and output weights, the input gradient and every
+    parameter gradient of the summed loss (each data group's loss over the data size)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
         torch.manual_seed(0)
         serial = build(name).train()
-        pmodel = parallel.parallelize(copy.deepcopy(serial), grid)
+        state = copy.deepcopy(serial.state_dict())
         x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
-        rows = parallel.block_bounds(shape[0], grid.data_size)
-        a, b = rows[grid.data_rank]
-        errors: dict[str, float] = {}
-        mine: list[torch.Tensor] = []
-        weights: list[torch.Tensor] = []
+        rows = parallel.block_bounds(shape[0], data_size)
+        outs_by_group, weights_by_group = [], []
         xs = x.clone().requires_grad_(True)
         for d, (r0, r1) in enumerate(rows):
             outs = _leaves(serial(xs[r0:r1]))
             gen = torch.Generator().manual_seed(100 + d)
             ws = [torch.randn(o.shape, generator=gen) for o in outs]
-            (sum((o * w).sum() for o, w in zip(outs, ws)) / grid.data_size).backward()
-            if d == grid.data_rank:
-                mine, weights = [o.detach() for o in outs], ws
+            (sum((o * w).sum() for o, w in zip(outs, ws)) / data_size).backward()
+            outs_by_group.append([o.detach() for o in outs])
+            weights_by_group.append(ws)
+        grads = {n: p.grad for n, p in serial.named_parameters()}
+        return {"state": state, "x": x, "outs": outs_by_group, "weights": weights_by_group, "input_grad": xs.grad,
+                "grads": grads, "rows": rows}
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def check_net(grid: Grid, name: str, ref: dict[str, Any]) -> dict[str, float]:
+    """The split network equals the serial one (``serial_reference``): outputs, input
+    gradient, every parameter gradient (mean over data groups, each with its own BatchNorm
+    statistics)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        net = build(name).train()
+        net.load_state_dict(ref["state"])  # the serial network's weights, before its step
+        pmodel = parallel.parallelize(net, grid)
+        x, rows = ref["x"], ref["rows"]
+        if len(rows) != grid.data_size:
+            raise AssertionError(f"reference for {len(rows)} data groups, grid has {grid.data_size}")
+        a, b = rows[grid.data_rank]
+        mine, weights = ref["outs"][grid.data_rank], ref["weights"][grid.data_rank]
+        errors: dict[str, float] = {}
         xl = parallel.scatter(x, grid).requires_grad_(True)
         outs = _leaves(pmodel(xl))
         if len(outs) != len(mine):
             raise AssertionError(f"{len(outs)} outputs, serial {len(mine)}")
-        for i, (o, ref) in enumerate(zip(outs, mine)):
-            errors[f"output {i}"] = _rel(o.detach(), _part(ref, grid), float(ref.abs().max()), f"{name} output {i}")
+        for i, (o, r) in enumerate(zip(outs, mine)):
+            errors[f"output {i}"] = _rel(o.detach(), _part(r, grid), float(r.abs().max()), f"{name} output {i}")
         sum((o * _part(w, grid)).sum() for o, w in zip(outs, weights)).backward()
-        ref_in = xs.grad[a:b] * grid.data_size  # the serial loss was this group's loss over the data size
+        ref_in = ref["input_grad"][a:b] * grid.data_size  # the serial loss was this group's loss over the data size
         errors["input grad"] = _rel(xl.grad, _part(ref_in, grid), float(ref_in.abs().max()), f"{name} input grad")
-        grads = dict(serial.named_parameters())
-        scale = max(float(p.grad.abs().max()) for p in serial.parameters() if p.grad is not None)
+        grads = ref["grads"]
+        present = [g for g in grads.values() if g is not None]
+        scale = max(float(g.abs().max()) for g in present)
         checked = 0
         for pname, p in pmodel.module.named_parameters():
-            ref = grads[pname].grad
-            if ref is None and p.grad is None:
+            r = grads[pname]
+            if r is None and p.grad is None:
                 continue
-            if ref is None or p.grad is None:
+            if r is None or p.grad is None:
                 raise AssertionError(f"{name}: gradient of {pname} exists in only one of the models")
             # Relative to the largest gradient: a conv bias before a norm has a zero gradient in exact maths.
-            errors[pname] = _rel(p.grad, ref, max(float(ref.abs().max()), 1e-3 * scale), f"{name} grad of {pname}")
+            errors[pname] = _rel(p.grad, r, max(float(r.abs().max()), 1e-3 * scale), f"{name} grad of {pname}")
             checked += 1
-        if checked != sum(1 for p in serial.parameters() if p.grad is not None):
+        if checked != len(present):
             raise AssertionError(f"{name}: compared {checked} parameter gradients")
         return errors
     finally:

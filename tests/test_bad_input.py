@@ -29,8 +29,8 @@ from parallel.grid import Grid
 from parallel.train.cli import CONFIG_ROOT, register
 from parallel.train.config import UnknownKeyError, to_dataclass
 from parallel.train.data import CheckedDataset
-from parallel.train.preflight import ConfigError, InputError, check_data, check_model, check_world, validate_config
-from train_helpers import BIN, REPO, env
+from parallel.train.checks import ConfigError, InputError, check_data, check_model, check_world, validate_config
+from train_helpers import BIN, REPO, env, prepare, python_m
 
 SIZE = 8
 SERIAL = Grid((1, 1, 1), 1, 0)
@@ -304,8 +304,7 @@ def test_config_values_and_types():
 @pytest.mark.launch
 def test_cli_reports_bad_input_cleanly(good, tmp_path):
     """Real launches: an unknown key (added with '+'), and a missing field under torchrun (2 ranks)."""
-    proc = subprocess.run([sys.executable, "-m", "cosmoflow.train", "--config-name", "quickstart", "+model.bar=2"],
-                          env=env(), cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = python_m("cosmoflow.train", ["--config-name", "quickstart", "+model.bar=2"], timeout=120)
     assert proc.returncode == 2 and "unknown config key(s) model.bar" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
     path = good / "val" / "s001.h5"
@@ -330,7 +329,10 @@ def test_config_errors_exit_2_with_one_message_from_rank_0(tmp_path):
     """Hydra's own errors and the grid's, under plain python and mpirun (whose status is the
     ranks' when they leave together); the MLPerf U-Net on whole 32^3 cases split 2 ways."""
     def run(cmd: list[str]) -> tuple[int, str]:
-        proc = subprocess.run(cmd, env=env(), cwd=REPO, capture_output=True, text=True, timeout=240)
+        if cmd[0] == sys.executable:  # plain python: the session's job pool
+            proc = python_m(cmd[2], cmd[3:], timeout=240)
+        else:
+            proc = subprocess.run(cmd, env=env(), cwd=REPO, capture_output=True, text=True, timeout=240)
         return proc.returncode, proc.stdout + proc.stderr
 
     py = [sys.executable, "-m", "cosmoflow.train", "--config-name", "smoke"]
@@ -340,14 +342,10 @@ def test_config_errors_exit_2_with_one_message_from_rank_0(tmp_path):
                       (mpi + ["train.foo=1"], "Could not override 'train.foo'")):
         code, out = run(cmd)
         assert code == 2 and out.count(said) == 1 and "Traceback" not in out, out[-3000:]
-    data = tmp_path / "cosmo"
-    subprocess.run([sys.executable, "-m", "cosmoflow.prepare", "synthetic", "--out", str(data), "--size", "16",
-                    "--train", "2", "--val", "1", "--quiet"], env=env(), cwd=REPO, check=True, timeout=120)
+    data = prepare("cosmoflow", tmp_path / "cosmo", 16, 2, 1)
     code, out = run([str(BIN / "mpirun"), "-n", "3", sys.executable, *py[1:], f"data.dir={data}", "parallel.spatial=[2,1,1]"])
     assert code == 2 and out.count("data x spatial(2x1x1) cannot equal 3") == 1, out[-3000:]
-    kits = tmp_path / "kits"
-    subprocess.run([sys.executable, "-m", "unet3d.prepare", "synthetic", "--out", str(kits), "--size", "32",
-                    "--train", "2", "--val", "1", "--quiet"], env=env(), cwd=REPO, check=True, timeout=120)
+    kits = prepare("unet3d", tmp_path / "kits", 32, 2, 1)
     # whole 32^3 cases (the default 128^3 crops would pad them): the bottleneck keeps one voxel
     code, out = run([str(BIN / "mpirun"), "-n", "2", sys.executable, "-m", "unet3d.train", f"data.dir={kits}",
                      "data.crop=null", "eval.mode=whole", "parallel.spatial=[2,1,1]", f"run.dir={tmp_path / 'u'}"])
@@ -360,8 +358,7 @@ def test_config_errors_exit_2_with_one_message_from_rank_0(tmp_path):
 @pytest.mark.launch
 def test_help_names_the_program_and_its_keys():
     for model in ("cosmoflow", "unet3d"):
-        proc = subprocess.run([sys.executable, "-m", f"{model}.train", "--help"], env=env(), cwd=REPO,
-                              capture_output=True, text=True, timeout=120)
+        proc = python_m(f"{model}.train", ["--help"], timeout=120)
         out = proc.stdout
         assert proc.returncode == 0 and out.startswith(f"python -m {model}.train: Train "), out[:500]
         assert "powered by Hydra" not in out

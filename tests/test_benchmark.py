@@ -143,7 +143,7 @@ def _uneven_layer(grid: Any, slowest: bool) -> float:
 
     import torch
 
-    from parallel.bench.calibrate import _together
+    from parallel.bench.layer_times import _together
 
     return _together(lambda: time.sleep(0.05 if grid.rank == 1 else 0.0), 3, torch.device("cpu"), None,
                      slowest=slowest)

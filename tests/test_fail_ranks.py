@@ -23,7 +23,7 @@ import h5py
 import numpy as np
 import pytest
 
-from train_helpers import BIN, REPO, env
+from train_helpers import BIN, REPO, env, prepare
 
 TIMEOUT_S = 30  # parallel.timeout_s of these jobs; a loaded 2-core machine needs the margin
 TINY = ["--config-name", "quickstart", "train.global_batch_size=4", "model.conv_filters=4", "model.n_conv_blocks=2",
@@ -35,11 +35,8 @@ TINY = ["--config-name", "quickstart", "train.global_batch_size=4", "model.conv_
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     """16 training samples of 16^3, gzip-compressed, chunked for a depth split in two."""
-    out = tmp_path_factory.mktemp("cosmo16gz")
-    subprocess.run([sys.executable, "-m", "cosmoflow.prepare", "synthetic", "--out", str(out), "--size", "16",
-                    "--train", "16", "--val", "4", "--quiet", "--workers", "1", "--compression", "gzip",
-                    "--splits", "2"], check=True, env=env(), cwd=REPO, timeout=240, capture_output=True)
-    return out
+    return prepare("cosmoflow", tmp_path_factory.mktemp("cosmo16gz"), 16, 16, 4, "--compression", "gzip",
+                   "--splits", "2")
 
 
 def _command(launcher: str, nproc: int, overrides: list[str]) -> list[str]:

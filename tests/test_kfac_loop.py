@@ -19,13 +19,13 @@ from cosmoflow.family import FAMILY as COSMO
 from parallel.grid import Grid
 from parallel.kfac import KFAC, KFACConfig, kfac_costs
 from parallel.plan import Machine, Options, predict, trace
-from parallel.plan import main as plan_main
+from parallel.plan.cli import main as plan_main
 from parallel.plan.kfac import KFACPlan, kfac_config
 from parallel.train.cli import CONFIG_ROOT, register
 from parallel.train.config import OptimConfig, to_dataclass
 from parallel.train.mlperf import MLPerfLog, log_submission
 from parallel.train.optim import build_optimizer
-from parallel.train.preflight import ConfigError, validate_config
+from parallel.train.checks import ConfigError, validate_config
 
 
 def _job(overrides: list[str]):

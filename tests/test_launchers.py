@@ -68,17 +68,22 @@ def _same(a: dict, b: dict) -> None:
         assert b["checksums"][key] == pytest.approx(value, rel=1e-5), key
 
 
-def test_spatial_1x2x2_equals_plain_python_under_torchrun_mpirun_and_slurm():
-    serial = _report(SELFCHECK)
-    assert serial["launcher"] == "single" and serial["world_size"] == 1
+@pytest.fixture(scope="module")
+def serial() -> dict:
+    """The plain-python self-check, run once for both tests."""
+    report = _report(SELFCHECK)
+    assert report["launcher"] == "single" and report["world_size"] == 1
+    return report
+
+
+def test_spatial_1x2x2_equals_plain_python_under_torchrun_mpirun_and_slurm(serial):
     runs = {"torchrun": _torchrun(4, "1 2 2"), "mpi": _mpirun(4, "1 2 2"), "slurm": _slurm(4, "1 2 2")}
     for launcher, report in runs.items():
         assert report["launcher"] == launcher and report["world_size"] == 4 and report["data"] == 1
         _same(serial, report)
 
 
-def test_data2_x_spatial2_equals_plain_python_under_torchrun_and_mpirun():
-    serial = _report(SELFCHECK)
+def test_data2_x_spatial2_equals_plain_python_under_torchrun_and_mpirun(serial):
     for report in (_torchrun(4, "2 1 1"), _mpirun(4, "2 1 1")):
         assert report["data"] == 2 and report["spatial"] == [2, 1, 1]
         _same(serial, report)

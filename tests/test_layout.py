@@ -47,3 +47,146 @@ def test_no_source_file_over_400_lines():
     long = {str(p.relative_to(REPO)): n for p in files
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
     assert not long, long
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path = REPO, package: str = "parallel") -> dict[str, set[str]]:
+    """Which modules of ``package`` each of its modules imports, read from the source with
+    ``ast``: module-level and function-level imports alike (a lazy import that closes a
+    circle still ties the two modules together). ``from a import b`` counts as an import of
+    ``a.b`` where that is a module, else of ``a``; a package's ``__init__`` that the import
+    system runs on the way to a submodule is not counted (it would make every package a
+    circle with its own submodules)."""
+    files = {_module_name(p, root): p for p in (root / package).rglob("*.py")}
+
+    def resolve(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {m: set() for m in files}
+    for mod, path in files.items():
+        here = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(here[:len(here) - node.level + 1] + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+            else:
+                continue
+            for t in targets:
+                if t.split(".")[0] == package and (target := resolve(t)) not in (None, mod):
+                    graph[mod].add(target)  # type: ignore[arg-type]
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (each holds a circle)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                circles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+@pytest.mark.unit
+def test_no_import_circle_under_parallel():
+    graph = import_graph()
+    assert len(graph) > 50 and "parallel.train.checks.fit" in graph["parallel.train.checks.samples"]
+    circles = import_circles(graph)
+    assert not circles, [{m: sorted(graph[m] & set(c)) for m in c} for c in circles]
+
+
+@pytest.mark.unit
+def test_the_circle_audit_sees_lazy_and_relative_imports(tmp_path):
+    pkg = tmp_path / "parallel"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from parallel.sub import b\n")
+    (pkg / "sub" / "b.py").write_text("def f():\n    from ..a import g\n")
+    (pkg / "c.py").write_text("import parallel.a\n")
+    graph = import_graph(tmp_path)
+    assert graph["parallel.a"] == {"parallel.sub.b"} and graph["parallel.sub.b"] == {"parallel.a"}
+    assert import_circles(graph) == [["parallel.a", "parallel.sub.b"]]
+
+
+def _imported_from(path: Path, package: str) -> set[str]:
+    """Names a module imports from ``package`` or any of its submodules."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(package):
+            found.update(f"{node.module}:{a.name}" for a in node.names)
+    return found
+
+
+def _calls_on(func: ast.AST, name: str) -> list[str]:
+    """``name.<method>(...)`` calls in ``func``, in source order."""
+    calls = [n for n in ast.walk(func) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and isinstance(n.func.value, ast.Name) and n.func.value.id == name]
+    return [c.func.attr for c in sorted(calls, key=lambda c: (c.lineno, c.col_offset))]  # type: ignore[attr-defined]
+
+
+def _function(path: Path, name: str) -> ast.AST:
+    return next(n for n in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+                if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+@pytest.mark.unit
+def test_the_jobs_checks_run_in_one_pass_from_train():
+    """``train()`` reaches the checks only through ``JobChecks``, whose phases run in order:
+    validate in ``train()``, then samples -> fit -> verify in the trainer it starts."""
+    lifecycle = REPO / "parallel" / "train" / "lifecycle.py"
+    loop = REPO / "parallel" / "train" / "loop.py"
+    pkg = "parallel.train.checks"
+    assert _imported_from(lifecycle, pkg) == {f"{pkg}:{n}" for n in ("ConfigError", "InputError", "JobChecks",
+                                                                     "is_auto")}
+    assert _imported_from(loop, pkg) == {f"{pkg}:InputError", f"{pkg}:JobChecks"}
+    assert _calls_on(_function(lifecycle, "train"), "checks") == ["validate", "read_facts"]
+    trainer = _function(loop, "__init__")
+    assert _calls_on(trainer, "checks") == ["validate", "samples", "fit", "verify"]  # validate: only without one
+    from parallel.train.checks import PHASES
+
+    assert PHASES == ("validate", "samples", "fit", "verify")
+
+
+@pytest.mark.unit
+def test_the_train_package_map_names_every_module():
+    import parallel.train
+
+    train = REPO / "parallel" / "train"
+    modules = {p.stem for p in train.glob("*.py") if p.name != "__init__.py"}
+    modules |= {p.name for p in train.iterdir() if (p / "__init__.py").is_file()}
+    assert {"checks", "lifecycle", "rng"} <= modules
+    doc = parallel.train.__doc__ or ""
+    assert not sorted(m for m in modules if f"``{m}``" not in doc)

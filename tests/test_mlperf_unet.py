@@ -103,12 +103,13 @@ def test_a_short_closed_run_over_168_42_cases_logs_every_key_the_rules_ask_for(t
     checker's only complaint is the unreached target; the open one passes."""
     import json
 
-    from train_helpers import env, launch
+    from train_helpers import launch, python_m
 
     data = tmp_path / "kits_like"
-    subprocess.run([sys.executable, "-m", "unet3d.prepare", "synthetic", "--out", str(data), "--size-range", "16,24",
-                    "--crop", "16", "--train", "168", "--val", "42", "--seed", "0", "--quiet", "--workers", "1"],
-                   check=True, env=env(), timeout=600, capture_output=True)
+    made = python_m("unet3d.prepare", ["synthetic", "--out", str(data), "--size-range", "16,24", "--crop", "16",
+                                       "--train", "168", "--val", "42", "--seed", "0", "--quiet", "--workers", "1"],
+                    timeout=600)
+    assert made.returncode == 0, made.stderr[-3000:]
     run = tmp_path / "run"
     launch("unet3d", 1, [f"data.dir={data}", f"run.dir={run}", "data.crop=[16,16,16]", "data.workers=0",
                          "model.depth=2", "model.base_filters=2", "model.max_filters=4", "train.epochs=1",

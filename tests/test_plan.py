@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from parallel import plan
+from parallel.plan import cli as plan_cli
 from parallel.plan import Machine, Options
 from parallel.train import autosplit
 
@@ -95,7 +96,7 @@ def test_auto_spatial_reads_the_volume_and_picks_a_valid_split(tmp_path: Path):
     from cosmoflow.family import FAMILY, CosmoFlowJob
     from cosmoflow.fields import SPEC
     from parallel.data import write_samples
-    from parallel.train.preflight import read_facts
+    from parallel.train.checks import read_facts
 
     (tmp_path / "train").mkdir()
     vol = np.zeros((1, 4, 32, 32, 32), dtype=np.int16)
@@ -113,16 +114,16 @@ def test_auto_spatial_reads_the_volume_and_picks_a_valid_split(tmp_path: Path):
 
 
 def test_cli_prints_a_table(capsys):
-    assert plan.main(["--model", "cosmoflow", "--size", "32", "--devices", "4", "--batch", "2",
+    assert plan_cli.main(["--model", "cosmoflow", "--size", "32", "--devices", "4", "--batch", "2",
                       "--set", "model.n_conv_blocks=3", "--device-memory", "80GB"]) == 0
     out = capsys.readouterr().out
     assert "fastest that fits" in out and "2x1x1" in out
 
 
 def test_measured_layer_times_replace_the_estimates():
-    """``calibrate.layer_seconds`` times what a rank computes for each layer (a split conv's
+    """``layer_times.layer_seconds`` times what a rank computes for each layer (a split conv's
     window, a split norm's two-pass statistics, the Linear's slice) and ``predict`` uses it."""
-    from parallel.bench.calibrate import _local_call, layer_seconds
+    from parallel.bench.layer_times import _local_call, layer_seconds
 
     for name, over in (("cosmoflow", ["model.n_conv_blocks=2", "model.conv_filters=4"]),
                        ("unet3d", ["model.depth=2", "model.base_filters=4"])):
@@ -150,7 +151,7 @@ def test_measured_layer_times_replace_the_estimates():
 
 
 def test_calibration_files_named_but_missing_or_broken_are_errors(tmp_path: Path, capsys):
-    assert plan.main(["--model", "cosmoflow", "--size", "32", "--devices", "2", "--set", "model.n_conv_blocks=3",
+    assert plan_cli.main(["--model", "cosmoflow", "--size", "32", "--devices", "2", "--set", "model.n_conv_blocks=3",
                       "--calibration", str(tmp_path / "nope.json")]) == 2
     assert "nope.json not found" in capsys.readouterr().err
     broken = tmp_path / "broken.json"

@@ -17,7 +17,7 @@ from parallel.launch import free_port
 from parallel.train.cli import CONFIG_ROOT, register
 from parallel.train import autosplit
 from parallel.train.config import to_dataclass
-from parallel.train.preflight import read_facts
+from parallel.train.checks import read_facts
 from train_helpers import REPO, env, prepare
 
 TIMEOUT = 240

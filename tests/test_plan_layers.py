@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from parallel import plan
+from parallel.plan import cli as plan_cli
 from parallel.plan import Machine, Options
 
 MACHINE = Machine(conv_flops={}, default_conv_flops=1e9, mem_bandwidth=1e9, p2p_alpha=1e-4, p2p_beta=1e9,
@@ -117,11 +118,11 @@ def test_monai_networks_plan_with_spatial_splits(name, kwargs, size):
 
 
 def test_plan_cli_takes_a_network_by_target(capsys):
-    code = plan.main(["--model", "cosmoflow", "--size", "32", "--devices", "2", "--batch", "2", "--set",
+    code = plan_cli.main(["--model", "cosmoflow", "--size", "32", "--devices", "2", "--batch", "2", "--set",
                       "model._target_=monai.networks.nets.DenseNet", "model.spatial_dims=3", "model.in_channels=4",
                       "model.out_channels=4", "model.init_features=8", "model.growth_rate=4",
                       "model.block_config=[2,2]"])
     out = capsys.readouterr().out
     assert code == 0 and " 2x1x1 " in out and " 1x1x1 " in out, out
-    assert plan.main(["--model", "cosmoflow", "--devices", "2", "--set", "model._target_=no.Such"]) == 2
+    assert plan_cli.main(["--model", "cosmoflow", "--devices", "2", "--set", "model._target_=no.Such"]) == 2
     assert "model._target_=no.Such: cannot build the network" in capsys.readouterr().err

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import subprocess
-import sys
 from pathlib import Path
 
 import h5py
@@ -13,19 +12,12 @@ import pytest
 import torch
 from torch import nn
 
-from train_helpers import BIN, REPO, env, launch, prepare
+from train_helpers import launch, prepare, python_m
 
 
-def _run(module: str, nproc: int, args: list[str], launcher: str = "torchrun",
-         code: int = 0) -> subprocess.CompletedProcess:
-    if nproc == 1:
-        cmd = [sys.executable, "-m", module, *args]
-    elif launcher == "torchrun":
-        cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(nproc), "-m", module, *args]
-    else:
-        cmd = [str(BIN / "mpirun"), "-n", str(nproc), sys.executable, "-m", module, *args]
-    proc = subprocess.run(cmd, env=env(), cwd=REPO, timeout=180, capture_output=True, text=True)
-    assert proc.returncode == code, f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-4000:]}"
+def _run(module: str, nproc: int, args: list[str], code: int = 0) -> subprocess.CompletedProcess:
+    proc = python_m(module, args, nproc=nproc, timeout=180)
+    assert proc.returncode == code, f"{module} {' '.join(args)} on {nproc} exited {proc.returncode}:\n{proc.stderr[-4000:]}"
     return proc
 
 
@@ -85,7 +77,7 @@ def test_unet_predict_is_the_same_at_every_grid(unet_run, tmp_path):
     # the run's own evaluation: sliding window of its crop, 16 (8 windows per 24^3 case)
     _run("unet3d.predict", 1, [*common, "--out", str(tmp_path / "serial")])
     _run("unet3d.predict", 2, [*common, "--out", str(tmp_path / "spatial2"), "--spatial", "2", "1", "1"])
-    _run("unet3d.predict", 2, [*common, "--out", str(tmp_path / "data2")], launcher="mpirun")
+    _run("unet3d.predict", 2, [*common, "--out", str(tmp_path / "data2")])
     serial = _labels(tmp_path / "serial")
     assert len(serial) == 3 and all(v.shape[1:] == (24, 24, 24) for v in serial.values())
     for other in ("spatial2", "data2"):
@@ -122,7 +114,7 @@ def test_unet_predict_says_what_it_read_and_refuses_user_errors_in_one_line(unet
             message in lines[0] and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     # split across 2 ranks, the window 24 cuts the network's third stride at 3: refused by name, once
     proc = _run("unet3d.predict", 2, ["--run-dir", str(run), "--data", str(data / "val"), "--window", "24",
-                                      "--spatial", "2", "1", "1", *out], launcher="mpirun", code=2)
+                                      "--spatial", "2", "1", "1", *out], code=2)
     assert proc.stderr.count("--window 24 24 24: split 2 ways along dim D (24 -> blocks [12, 12])") == 1, proc.stderr
     helped = _run("unet3d.predict", 1, ["--help"])
     assert "the data directory (data.dir, holding train/ and val/" in " ".join(helped.stdout.split())
@@ -140,7 +132,7 @@ def test_cosmoflow_predict_rows_equal_at_every_grid(tmp_path_factory, tmp_path):
     common = ["--run-dir", str(run), "--data", str(data / "val"), "--batch", "4"]
     _run("cosmoflow.predict", 1, [*common, "--out", str(tmp_path / "serial.csv")])
     _run("cosmoflow.predict", 2, [*common, "--out", str(tmp_path / "split.csv"), "--spatial", "2", "1", "1"])
-    _run("cosmoflow.predict", 2, [*common, "--out", str(tmp_path / "data.csv")], launcher="mpirun")
+    _run("cosmoflow.predict", 2, [*common, "--out", str(tmp_path / "data.csv")])
 
     def rows(name: str) -> list[dict[str, str]]:
         with open(tmp_path / name, newline="") as f:

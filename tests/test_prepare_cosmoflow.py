@@ -19,6 +19,7 @@ from cosmoflow import prepare, synthetic
 from cosmoflow.fields import SPEC
 from cosmoflow.tfrecord import TFRecordError, crc32c, masked_crc, parse_example, read_records
 from parallel.data import BlockDataset, check_files
+from train_helpers import python_m
 
 
 def _read(path: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -191,7 +192,6 @@ def test_from_tfrecord_converts_the_mlperf_layout(tmp_path: Path, compressed: bo
 def test_a_flipped_byte_in_a_16mb_record_is_refused(tmp_path: Path) -> None:
     """An MLPerf-sized record (128^3 x 4 int16 = 16 MiB) with one byte of its data flipped:
     the command refuses it, naming the file and the record, and writes nothing."""
-    from train_helpers import REPO, env
 
     x = np.random.default_rng(3).integers(0, 500, size=(128, 128, 128, 4), dtype=np.int16)
     raw = bytearray(_tf_record(_example(x, np.zeros(4, np.float32))))
@@ -201,9 +201,8 @@ def test_a_flipped_byte_in_a_16mb_record_is_refused(tmp_path: Path) -> None:
     src.mkdir()
     bad = src / "univ_ics_2019-03_a0000000_000.tfrecord"
     bad.write_bytes(bytes(raw))
-    proc = subprocess.run([sys.executable, "-m", "cosmoflow.prepare", "from-tfrecord", str(src), str(tmp_path / "out"),
-                           "--quiet", "--workers", "1"], capture_output=True, text=True, timeout=120, env=env(),
-                          cwd=REPO)
+    proc = python_m("cosmoflow.prepare", ["from-tfrecord", str(src), str(tmp_path / "out"), "--quiet", "--workers", "1"],
+                    timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"{bad}: record 0: data CRC mismatch" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert not list((tmp_path / "out").glob("*.h5"))

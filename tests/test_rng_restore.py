@@ -1,6 +1,6 @@
 """RNG streams on resume: restored from a checkpoint loaded to another device through
 ``map_location``, and a foreign layout reseeded deterministically with a warning
-(parallel/train/checkpoint.py ``set_rng_state``/``restore_rng``)."""
+(parallel/train/rng.py ``set_rng_state``/``restore_rng``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from parallel import Grid
-from parallel.train import checkpoint
+from parallel.train import checkpoint, rng
 
 GRID = Grid((1, 1, 1), 1, 0)
 
@@ -54,7 +54,7 @@ def test_restored_on_the_cpu_continues_every_stream(tmp_path):
     path, after = _saved(tmp_path, model)
     torch.manual_seed(99)
     model.group_generator.manual_seed(1)
-    assert checkpoint.restore_rng(checkpoint.load(path, map_location="cpu"), GRID, seed=0, model=model)
+    assert rng.restore_rng(checkpoint.load(path, map_location="cpu"), GRID, seed=0, model=model)
     for got, want in zip(_draws(model), after):
         assert torch.equal(got, want)
 
@@ -66,7 +66,7 @@ def test_loaded_to_another_device_reseeds_with_a_warning(tmp_path, caplog):
     ckpt = checkpoint.load(path, map_location="meta")
     assert ckpt["rng"]["states"].device.type == "meta"
     with caplog.at_level(logging.WARNING, logger="parallel.train"):
-        assert not checkpoint.restore_rng(ckpt, GRID, seed=0)
+        assert not rng.restore_rng(ckpt, GRID, seed=0)
     assert "do not fit this process" in caplog.text and "holds no bytes" in caplog.text
     assert torch.equal(torch.rand(3), _reseeded_draw())
 
@@ -86,7 +86,7 @@ def test_foreign_layout_reseeds_deterministically(tmp_path, caplog, mangle, mess
     for _ in range(2):
         torch.manual_seed(1234)
         with caplog.at_level(logging.WARNING, logger="parallel.train"):
-            assert not checkpoint.restore_rng(ckpt, GRID, seed=0)
+            assert not rng.restore_rng(ckpt, GRID, seed=0)
         draws.append(torch.rand(3))
     assert message in caplog.text
     assert torch.equal(draws[0], draws[1]) and torch.equal(draws[0], _reseeded_draw())
@@ -98,6 +98,6 @@ def test_a_bad_layout_sets_no_stream_half_way(tmp_path):
     path, _ = _saved(tmp_path, model)
     state = checkpoint.load(path)["rng"]["states"][0]
     before = [torch.get_rng_state(), model.group_generator.get_state()]
-    with pytest.raises(checkpoint.RngLayoutError, match="dropout generator"):
-        checkpoint.set_rng_state(state[:-1], model)
+    with pytest.raises(rng.RngLayoutError, match="dropout generator"):
+        rng.set_rng_state(state[:-1], model)
     assert torch.equal(torch.get_rng_state(), before[0]) and torch.equal(model.group_generator.get_state(), before[1])

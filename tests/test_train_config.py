@@ -10,7 +10,7 @@ from omegaconf.errors import ValidationError
 
 from cosmoflow.family import FAMILY as COSMO, CosmoFlowJob
 from parallel.grid import Grid
-from parallel.train import checkpoint
+from parallel.train import checkpoint, rng
 from parallel.train.cli import CONFIG_ROOT, register
 from parallel.train.config import OptimConfig, ScheduleConfig, to_dataclass
 from parallel.train.optim import Schedule, build_optimizer
@@ -88,7 +88,7 @@ def test_checkpoint_is_atomic_and_weights_only(tmp_path):
     ckpt = checkpoint.load(path)  # weights_only=True inside
     assert ckpt["step"] == 3 and torch.equal(ckpt["model"]["0.weight"], model[0].weight)
     torch.manual_seed(0)
-    assert checkpoint.restore_rng(ckpt, grid, seed=0)
+    assert rng.restore_rng(ckpt, grid, seed=0)
     assert torch.equal(torch.rand(4), expected)
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         checkpoint.load(tmp_path / "missing.pt")

@@ -7,13 +7,12 @@ from __future__ import annotations
 import hashlib
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from parallel.train import rundir
-from train_helpers import REPO, env, prepare
+from train_helpers import prepare, python_m
 
 SMALL = ["--config-name", "smoke", "run.log_rank=0"]
 
@@ -24,8 +23,7 @@ def data(tmp_path_factory):
 
 
 def _train(*overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cosmoflow.train", *SMALL, *overrides], env=env(), cwd=REPO,
-                          capture_output=True, text=True, timeout=180)
+    return python_m("cosmoflow.train", [*SMALL, *overrides], timeout=180)
 
 
 def _hashes(root: Path) -> dict[str, str]:

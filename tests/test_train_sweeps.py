@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_dir
 
 from cosmoflow.family import FAMILY as COSMO
 from parallel.train.cli import CONFIG_ROOT, register
-from train_helpers import BIN, REPO, env, prepare
+from train_helpers import BIN, REPO, env, prepare, python_m
 
 SWEEP = ["-m", "--config-name", "smoke", "train.max_steps=2", "run.log_rank=0"]  # Hydra's flags before overrides
 
@@ -59,10 +59,11 @@ def test_sweep_gives_each_job_its_run_dir_and_a_table(data, tmp_path, launcher):
     sweep, missing = tmp_path / "sweep", tmp_path / "nowhere"
     grid = [] if launcher == "python" else ["parallel.spatial=[2,1,1]"]
     spatial = [1, 1, 1] if launcher == "python" else [2, 1, 1]
-    head = [sys.executable] if launcher == "python" else [str(BIN / "torchrun"), "--standalone", "--nproc_per_node",
-                                                           "2"]
-    proc = _sweep([*head, "-m", "cosmoflow.train", *SWEEP, f"hydra.sweep.dir={sweep}", *grid,
-                   "optim.lr=0.005,0.01", f"data.dir={data},{missing}"])
+    args = [*SWEEP, f"hydra.sweep.dir={sweep}", *grid, "optim.lr=0.005,0.01", f"data.dir={data},{missing}"]
+    if launcher == "python":  # one process: the session's job pool runs it as python -m would
+        proc = python_m("cosmoflow.train", args, timeout=400)
+    else:
+        proc = _sweep([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "cosmoflow.train", *args])
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out[-4000:]  # a job failed: the sweep says so in its status
     jobs = {0: "0.005", 2: "0.01"}

@@ -18,10 +18,11 @@ from torch import nn
 
 from cosmoflow.family import FAMILY as COSMO
 from parallel.grid import Grid
-from parallel.train import usermodel, verification
+from parallel.train import usermodel
+from parallel.train.checks import verify as verification
 from parallel.train.cli import CONFIG_ROOT, load_job, register
 from parallel.train.config import UnknownKeyError, to_dataclass
-from parallel.train.preflight import InputError, check_model
+from parallel.train.checks import InputError, check_model
 from train_helpers import REPO
 from unet3d.family import FAMILY as UNET
 
@@ -157,7 +158,7 @@ def test_probe_is_small_where_the_network_allows_and_whole_where_it_must():
 
 
 def test_parallel_verify_takes_auto_true_or_false():
-    from parallel.train.preflight import ConfigError, validate_config
+    from parallel.train.checks import ConfigError, validate_config
 
     job, _, _ = _compose(UNET, ["parallel.verify=true"])
     assert job.parallel.verify is True

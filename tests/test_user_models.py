@@ -1,28 +1,26 @@
 """Networks a user brings train through the shared loop with ``model._target_=...``.
 
 A MONAI SegResNet trains on the synthetic U-Net set through ``unet3d.train``, split in
-space, under torchrun and under mpirun; its checkpoint is a plain SegResNet's
+space at two grids; its checkpoint is a plain SegResNet's
 ``state_dict`` (``torch.load(weights_only=True)``, ``load_state_dict(strict=True)``),
 whose serial outputs give the validation numbers the split run logged, and both grids
 end with the same weights. A MONAI DenseNet regresses CosmoFlow's four parameters
 through ``cosmoflow.train``. A network that resizes with ``F.interpolate`` in its own
 forward is stopped before the first step by ``parallel.verify`` (exit 2), naming the
-module. Real processes, real files; ``user_models`` is on PYTHONPATH.
+module. Real processes (the session's job pool), real files; ``user_models`` is on PYTHONPATH.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import h5py
 import pytest
 import torch
 
-from train_helpers import BIN, REPO, env, launch, max_rel_diff, prepare, weights
+from train_helpers import env, launch, max_rel_diff, prepare, weights
 
 TESTS = Path(__file__).resolve().parent
 SEGRESNET = dict(init_filters=8, out_channels=3, blocks_down=[1, 1], blocks_up=[1])
@@ -45,14 +43,13 @@ def segresnet_runs(unet_data: Path, tmp_path_factory: pytest.TempPathFactory):
     """Trains (once per grid, on first use) and returns the run directory and the log."""
     root, done = tmp_path_factory.mktemp("segresnet"), {}
 
-    def run(launcher: str, spatial: str) -> tuple[Path, str]:
-        if launcher not in done:
-            out = root / launcher
+    def run(spatial: str) -> tuple[Path, str]:
+        if spatial not in done:
+            out = root / spatial.strip("[]").replace(",", "x")
             proc = launch("unet3d", 2, [*COMMON, *_overrides(SEGRESNET, "monai.networks.nets.SegResNet"),
-                                        f"data.dir={unet_data}", f"run.dir={out}", f"parallel.spatial={spatial}"],
-                          launcher)
-            done[launcher] = (out, proc.stdout + proc.stderr)
-        return done[launcher]
+                                        f"data.dir={unet_data}", f"run.dir={out}", f"parallel.spatial={spatial}"])
+            done[spatial] = (out, proc.stdout + proc.stderr)
+        return done[spatial]
 
     return run
 
@@ -75,11 +72,11 @@ def _serial_eval(model: torch.nn.Module, val_dir: Path) -> tuple[float, float]:
     return sum(losses) / len(losses), sum(dice) / len(dice)
 
 
-@pytest.mark.parametrize("launcher,spatial", [("torchrun", "[2,1,1]"), ("mpirun", "[1,2,1]")])
-def test_monai_segresnet_trains_split_and_loads_into_a_plain_segresnet(segresnet_runs, unet_data, launcher, spatial):
+@pytest.mark.parametrize("spatial", ["[2,1,1]", "[1,2,1]"])
+def test_monai_segresnet_trains_split_and_loads_into_a_plain_segresnet(segresnet_runs, unet_data, spatial):
     from monai.networks.nets import SegResNet
 
-    run_dir, log = segresnet_runs(launcher, spatial)
+    run_dir, log = segresnet_runs(spatial)
     assert "parallel.verify: checked before the first step" in log, log[-3000:]
     state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
     plain = SegResNet(**SEGRESNET)
@@ -95,8 +92,8 @@ def test_monai_segresnet_trains_split_and_loads_into_a_plain_segresnet(segresnet
 
 
 def test_segresnet_runs_at_two_grids_end_with_the_same_weights(segresnet_runs):
-    d2, _ = segresnet_runs("torchrun", "[2,1,1]")
-    h2, _ = segresnet_runs("mpirun", "[1,2,1]")
+    d2, _ = segresnet_runs("[2,1,1]")
+    h2, _ = segresnet_runs("[1,2,1]")
     diff, key = max_rel_diff(weights(d2), weights(h2))
     assert diff < 1e-4, f"{key} differs by {diff:.2e} relative between spatial 2x1x1 and 1x2x1"
 
@@ -125,12 +122,9 @@ def test_monai_densenet_regresses_cosmoflow_parameters(tmp_path_factory: pytest.
 
 
 def test_a_functional_resize_is_stopped_by_verification_naming_the_module(unet_data, tmp_path):
-    cmd = [str(BIN / "mpirun"), "-n", "2", sys.executable, "-m", "unet3d.train", *COMMON,
-           "model._target_=user_models.InterpolatingSegNet", f"data.dir={unet_data}", f"run.dir={tmp_path / 'run'}",
-           "parallel.spatial=[2,1,1]"]
-    e = env()
-    e["PYTHONPATH"] = f"{TESTS}{os.pathsep}{e['PYTHONPATH']}"
-    proc = subprocess.run(cmd, env=e, cwd=REPO, timeout=240, capture_output=True, text=True)
+    e = {"PYTHONPATH": f"{TESTS}{os.pathsep}{env()['PYTHONPATH']}"}
+    proc = launch("unet3d", 2, [*COMMON, "model._target_=user_models.InterpolatingSegNet", f"data.dir={unet_data}",
+                                f"run.dir={tmp_path / 'run'}", "parallel.spatial=[2,1,1]"], check=False, extra_env=e)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 2, text[-3000:]
     line = next((ln for ln in text.splitlines() if "verification failed" in ln), "")

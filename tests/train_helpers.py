@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Sequence
 
 import torch
+
+from jobpool import JobPool
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -25,29 +25,85 @@ def env() -> dict[str, str]:
     return e
 
 
-def prepare(model: str, out: Path, size: int, train: int, val: int) -> Path:
-    """``python -m <model>.prepare synthetic`` into ``out`` (skipped if already there)."""
+POOL: JobPool | None = None
+"""The session's pool of rank processes (``tests/conftest.py`` sets it; started on first use)."""
+CACHE: Path | None = None
+"""The session's folder of generated data sets, shared read-only by every test."""
+
+
+def pool() -> JobPool:
+    global POOL
+    if POOL is None:  # a helper used outside pytest's session
+        POOL = JobPool()
+    return POOL
+
+
+def prepare(model: str, out: Path, size: int, train: int, val: int, *extra: str) -> Path:
+    """``python -m <model>.prepare synthetic`` (seed 0), made once per session and shared.
+
+    The set lives in the session's cache and is READ-ONLY: a test that changes files
+    copies it first (``prepare_copy``). ``out`` is where it is made when no cache is set
+    (outside pytest's session); with the cache it names nothing. Generated in the job pool.
+    """
+    key = f"{model}-s{size}-t{train}-v{val}" + "".join(f"-{a.strip('-')}" for a in extra)
+    if CACHE is not None:
+        out = CACHE / key
     if not (out / "val" / "manifest.json").exists():
-        subprocess.run([sys.executable, "-m", f"{model}.prepare", "synthetic", "--out", str(out), "--size",
-                        str(size), "--train", str(train), "--val", str(val), "--quiet", "--workers", "1"],
-                       check=True, env=env(), cwd=REPO, timeout=240, capture_output=True)
+        proc = pool().run(f"{model}.prepare", ["synthetic", "--out", str(out), "--size", str(size), "--train",
+                                               str(train), "--val", str(val), "--quiet", "--workers", "1", *extra],
+                          env=env(), timeout=240)
+        if proc.returncode != 0:
+            raise AssertionError(f"{model}.prepare exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     return out
 
 
-def launch(model: str, nproc: int, overrides: Sequence[str], launcher: str = "torchrun",
-           timeout: float = 240) -> subprocess.CompletedProcess:
-    """Run ``<model>.train`` on ``nproc`` processes (plain python for 1) and check it succeeded."""
-    args = ["-m", f"{model}.train", *overrides]
-    if nproc == 1:
-        cmd = [sys.executable, *args]
-    elif launcher == "torchrun":
-        cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(nproc), *args]
+def prepare_copy(model: str, out: Path, size: int, train: int, val: int, *extra: str) -> Path:
+    """A private, writable copy of ``prepare``'s set at ``out`` (for tests that change files)."""
+    import shutil
+
+    shutil.copytree(prepare(model, out.with_name(out.name + "_src"), size, train, val, *extra), out)
+    return out
+
+
+def launch(model: str, nproc: int, overrides: Sequence[str], launcher: str = "pool",
+           timeout: float = 240, module: str = "train", check: bool = True,
+           extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``<model>.<module>`` on ``nproc`` processes and check it succeeded (``check``).
+
+    ``launcher``: ``pool`` (the default) runs the job on the session's rank processes with
+    torchrun's variables (``tests/jobpool.py``): for tests that prove numbers. ``torchrun``
+    and ``mpirun`` start real launchers (plain python for one process): for tests of the
+    launch itself.
+    """
+    args = ["-m", f"{model}.{module}", *overrides]
+    e = env()
+    e.update(extra_env or {})
+    if launcher == "pool":
+        proc = pool().run(f"{model}.{module}", list(overrides), nproc=nproc, env=e, timeout=timeout)
+        cmd = [f"pool:{nproc}", *args]
     else:
-        cmd = [str(BIN / "mpirun"), "-n", str(nproc), sys.executable, *args]
-    proc = subprocess.run(cmd, env=env(), cwd=REPO, timeout=timeout, capture_output=True, text=True)
-    if proc.returncode != 0:
+        if nproc == 1:
+            cmd = [sys.executable, *args]
+        elif launcher == "torchrun":
+            cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(nproc), *args]
+        else:
+            cmd = [str(BIN / "mpirun"), "-n", str(nproc), sys.executable, *args]
+        try:
+            proc = subprocess.run(cmd, env=e, cwd=REPO, timeout=timeout, capture_output=True, text=True)
+        except subprocess.TimeoutExpired as err:
+            raise AssertionError(f"{' '.join(cmd)} did not end within {timeout:.0f} s") from err
+    if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def python_m(module: str, args: Sequence[str], nproc: int = 1, timeout: float = 240,
+             extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python -m module *args`` (or ``python script.py`` for a path ending in .py) on
+    ``nproc`` ranks of the session's job pool, with its output; the caller checks the status."""
+    e = env()
+    e.update(extra_env or {})
+    return pool().run(module, list(args), nproc=nproc, env=e, timeout=timeout)
 
 
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -71,27 +127,3 @@ def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], floor: 
         d = ((a[k] - b[k]).abs().max() / a[k].abs().max().clamp(min=floor)).item()
         worst = max(worst, (d, k))
     return worst
-
-
-def checkpoint_step(path: Path) -> int:
-    """The step a checkpoint file holds, or -1 while it is missing or half written."""
-    try:
-        return int(torch.load(path, weights_only=True)["step"])
-    except (FileNotFoundError, RuntimeError, EOFError, KeyError):
-        return -1
-
-
-def kill_after_checkpoint(model: str, overrides: Sequence[str], run_dir: Path, step: int) -> int:
-    """Train in one process and ``kill -9`` it once ``run_dir``'s last checkpoint holds
-    ``step`` or later; returns the step the checkpoint holds after the kill."""
-    ckpt = run_dir / "checkpoints" / "last.pt"
-    proc = subprocess.Popen([sys.executable, "-m", f"{model}.train", *overrides, f"run.dir={run_dir}"], env=env(),
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 180
-        while checkpoint_step(ckpt) < step and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        os.killpg(proc.pid, signal.SIGKILL)
-    finally:
-        proc.wait(timeout=30)
-    return checkpoint_step(ckpt)

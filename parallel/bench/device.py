@@ -19,6 +19,8 @@ from typing import Callable
 
 import torch
 
+from parallel.memory import peak_rss_bytes
+
 
 def parse(text: str | torch.device) -> torch.device:
     """``cpu``, ``cuda`` (this process's current GPU) or ``cuda:N``; an error naming the
@@ -93,14 +95,7 @@ def peak_bytes(device: torch.device) -> float:
     context (CUDA: what the device had to hold, not only the live tensors)."""
     if device.type == "cuda":
         return float(torch.cuda.max_memory_reserved(device)) + context_bytes(device)
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return float(int(line.split()[1]) * 1024)
-    except OSError:
-        pass
-    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    return float(peak_rss_bytes())
 
 
 def describe(device: torch.device) -> str:

@@ -86,7 +86,7 @@ def _overlap(text: str) -> bool | str:
 
 def _machine(args: argparse.Namespace, cases: list) -> Any:
     """The calibration (measured now if missing), with the local layer times of ``cases``
-    (``parallel.bench.calibrate.Case``, one per grid the benchmark predicts) added if absent."""
+    (``parallel.bench.layer_times.Case``, one per grid the benchmark predicts) added if absent."""
     from parallel.bench.calibrate import calibrate, ensure_layer_seconds
     from parallel.plan import Machine, default_calibration
 
@@ -101,7 +101,7 @@ def _machine(args: argparse.Namespace, cases: list) -> Any:
 
 def step(args: argparse.Namespace) -> Rows:
     """Step time per grid (serial, spatial 2, data 2, weak spatial 2), measured and predicted."""
-    from parallel.bench.calibrate import Case
+    from parallel.bench.layer_times import Case
     from parallel.bench.ranks import run_ranks
     from parallel.bench.step import step_times
     from parallel.plan import Options, build_model, predict, trace

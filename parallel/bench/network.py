@@ -1,7 +1,7 @@
 """The calibration's measurements that need several ranks: point-to-point and all-reduce
 latency and bandwidth, the framework's overhead per split layer and per overlapped
-exchange, a rank's fixed memory, and layer times measured while every rank computes at
-once (the cores and memory bandwidth a node's ranks share)."""
+exchange and a rank's fixed memory. (Layer times measured while every rank computes at
+once are ``parallel.bench.layer_times``'.)"""
 
 from __future__ import annotations
 
@@ -14,16 +14,13 @@ from torch import nn
 import parallel
 from parallel import comm
 from parallel.bench import device as dev
+from parallel.bench.timing import barrier_trials
 from parallel.grid import Grid
 
 
 def _timed(grid: Grid, fn: Any, trials: int, caller: str) -> float:
     """Median seconds of ``fn`` over ``trials`` barrier-started trials (after one warm-up)."""
-    times = []
-    for _ in range(trials + 1):
-        comm.barrier(caller=caller)
-        times.append(dev.seconds(fn, grid.device))
-    return statistics.median(times[1:])
+    return statistics.median(barrier_trials(fn, trials, grid.device, caller=caller))
 
 
 def network(grid: Grid, sizes: Sequence[int], trials: int) -> dict[str, Any]:
@@ -104,13 +101,3 @@ def fit(sizes: Sequence[int], times: Sequence[float]) -> tuple[float, float]:
     slope = max(slope, 1e-12)
     alpha = max(mt - slope * mx, 1e-7)
     return alpha, 1.0 / slope
-
-
-def busy_layer_seconds(grid: Grid, cases: Sequence[Any], trials: int, known: dict[str, float]) -> dict[str, float]:
-    """Every rank times the same layers at once (each trial started by a barrier; a trial's
-    time is the slowest rank's): layer times as a node's ranks see them when they all
-    compute. ``cases`` are ``parallel.bench.calibrate.Case``; keys in ``known`` are kept."""
-    from parallel.bench.calibrate import case_seconds
-
-    torch.set_num_threads(1)
-    return case_seconds(cases, trials, known, grid.device, group=grid.world_group)

@@ -76,3 +76,23 @@ def load() -> list[float]:
     import os
 
     return [round(v, 2) for v in os.getloadavg()]
+
+
+def barrier_trials(fn: Callable[[], object], trials: int, device: torch.device, group: object | None = None,
+                   reduce: str | None = None, caller: str = "bench.timing.barrier_trials") -> list[float]:
+    """Seconds of ``trials`` calls of ``fn``, each started by a barrier of ``group`` (after
+    one warm-up call, also barrier-started), timers synchronised with ``device``.
+    ``reduce``: None (this rank's seconds), ``max`` (the slowest rank's) or ``mean``."""
+    from parallel.bench import device as dev
+
+    times = []
+    for _ in range(trials + 1):
+        comm.barrier(group, caller=caller)
+        times.append(dev.seconds(fn, device))
+    if reduce is None:
+        return times[1:]
+    t = torch.tensor(times[1:], dtype=torch.float64, device=device)
+    comm.all_reduce_(t, group, "max" if reduce == "max" else "sum", caller=caller)
+    if reduce == "mean":
+        t /= comm.group_size(group)
+    return t.tolist()

@@ -7,7 +7,7 @@ float images) or with a ``valid_range`` (labels) are checked value by value. Wit
 ``deep`` the small scalar fields (targets) are still read and checked (``scalars``).
 Each file is checked against its own volume: cases of one split may differ in shape.
 A spec's own ``checks`` (cross-field consistency) run last, on files sound so far.
-The training loop's pre-flight check (``parallel.train.preflight``) calls ``check_file``.
+The training job's checks (``parallel.train.checks.samples``) call ``check_file``.
 """
 
 from __future__ import annotations

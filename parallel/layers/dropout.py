@@ -23,26 +23,39 @@ class _SyncedDropout(SpatialMixin):
         self.group_generator = torch.Generator(device=device).manual_seed(group_seed)
         self.rank_generator = torch.Generator(device=device).manual_seed(rank_seed)
 
-    def _mask(self, shape: tuple[int, ...], like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    def _mask_shape(self, x: torch.Tensor) -> tuple[tuple[int, ...], torch.Generator]:
+        """The shape of one mask draw for ``x`` and the generator it draws from."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        if self.p == 1.0:
+            return x * 0.0
+        shape, generator = self._mask_shape(x)
         keep = 1.0 - self.p
-        mask = torch.empty(shape, dtype=like.dtype, device=like.device).bernoulli_(keep, generator=generator)
-        return mask / keep
+        mask = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(keep, generator=generator)
+        return x * (mask / keep)
 
 
 class SpatialDropout(_SyncedDropout, nn.Dropout):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0.0:
-            return x
-        if self.p == 1.0:
-            return x * 0.0
-        generator = self.rank_generator if x.dim() == 5 else self.group_generator
-        return x * self._mask(tuple(x.shape), x, generator)
+    def _mask_shape(self, x: torch.Tensor) -> tuple[tuple[int, ...], torch.Generator]:
+        return tuple(x.shape), self.rank_generator if x.dim() == 5 else self.group_generator
 
 
 class SpatialDropout3d(_SyncedDropout, nn.Dropout3d):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0.0:
-            return x
-        if self.p == 1.0:
-            return x * 0.0
-        return x * self._mask((x.shape[0], x.shape[1], 1, 1, 1), x, self.group_generator)
+    def _mask_shape(self, x: torch.Tensor) -> tuple[tuple[int, ...], torch.Generator]:
+        return (x.shape[0], x.shape[1], 1, 1, 1), self.group_generator
+
+
+def generators(module: nn.Module | None) -> list[torch.Generator]:
+    """The private generators of ``module``'s dropout layers, in module order: what a
+    recomputed block replays (``parallel.recompute``) and a checkpoint keeps
+    (``parallel.train.rng``)."""
+    gens: list[torch.Generator] = []
+    for m in (module.modules() if module is not None else ()):
+        for name in ("group_generator", "rank_generator"):
+            g = getattr(m, name, None)
+            if isinstance(g, torch.Generator):
+                gens.append(g)
+    return gens

@@ -23,10 +23,10 @@ samples, built as training builds it. Layers after a global pool are whole on ev
 
 One idea a module: ``machine`` (the measured figures), ``trace`` (the layers of a model),
 ``local`` (a rank's share of each layer), ``cost`` (the prediction), ``search`` (the
-splits and the choice), ``models`` (families by name), ``cli``.
+splits and the choice), ``models`` (families by name), ``cli`` (the command line, ``main``; this package's
+docstring is its help, so the package does not import it).
 """
 
-from parallel.plan.cli import main, parse_bytes
 from parallel.plan.cost import Options, predict
 from parallel.plan.local import LocalOp, first_layer, local_ops, op_key, valid
 from parallel.plan.machine import Machine, default_calibration
@@ -35,4 +35,4 @@ from parallel.plan.search import choose, splits, table
 from parallel.plan.trace import Layer, trace
 
 __all__ = ["Layer", "LocalOp", "Machine", "Options", "build_model", "choose", "default_calibration",
-           "first_layer", "local_ops", "main", "parse_bytes", "op_key", "predict", "splits", "table", "trace", "valid"]
+           "first_layer", "local_ops", "op_key", "predict", "splits", "table", "trace", "valid"]

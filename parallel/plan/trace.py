@@ -1,6 +1,6 @@
 """The one tracer: the leaf layers of a serial model with their per-sample shapes, from a
 forward on the meta device (no memory, no compute). ``parallel.plan`` costs them;
-the training pre-flight (``parallel.train.preflight.check_model``) checks them against
+the training checks (``parallel.train.checks.fit``) check them against
 the split.
 
 A global pool (an adaptive pool to 1x1x1) ends the split: its output is the whole tensor
@@ -19,6 +19,8 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+
+from parallel.nested import tensors as _tensors
 
 
 @dataclass
@@ -43,17 +45,6 @@ class Layer:
 
 ADAPTIVE = (nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool3d)
 PADS = (nn.ConstantPad3d, nn.ZeroPad3d, nn.CircularPad3d, nn.ReflectionPad3d, nn.ReplicationPad3d)
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    """The tensors in a (nested) tuple, list or dict of arguments or results."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (tuple, list)):
-        return [t for o in obj for t in _tensors(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _tensors(o)]
-    return []
 
 
 def _whole(tensors: list[torch.Tensor]) -> bool:

@@ -3,15 +3,24 @@
 >>> from parallel.train import train
 >>> summary = train(cfg, family)        # collective: every rank calls it
 
-Split by concern: ``config`` (typed sections), ``family`` (what a model supplies, and
-the registry by name), ``preflight`` (checks and the sample facts, before training),
-``data`` (readers and batches), ``optim`` (optimiser and schedule), ``lifecycle`` (the
-process: start, watchdog, failure, exit codes), ``loop`` (the trainer's run), ``step``
-(one step and its non-finite guard), ``state`` (what a checkpoint holds),
-``evaluate``, ``checkpoint`` (files), ``report`` (metrics.jsonl, TensorBoard, summary),
-``mlperf`` (the MLPerf log), ``autosplit`` (``parallel.spatial=auto``), ``usermodel``
-(any network as ``model._target_=...``), ``verification`` (``parallel.verify`` before the
-first step) and ``cli`` (the Hydra entry point).
+Split by concern, one idea a module:
+
+- configuration: ``config`` (typed sections), ``from_hydra`` (Hydra's composed config ->
+  that typed tree, refusing unknown keys), ``hydra_conf`` (Hydra's own settings: output
+  directories, help, sweep launchers), ``cli`` (the Hydra entry point);
+- model families: ``family`` (what a model supplies, and the registry by name),
+  ``usermodel`` (any network as ``model._target_=...``);
+- before training: ``checks`` (a package: the job's checks in one pass, validate ->
+  samples -> fit -> verify, and their errors), ``autosplit`` (``parallel.spatial=auto``),
+  ``rundir`` (the run-directory rule);
+- the run: ``lifecycle`` (the process: start, watchdog, failure, exit codes), ``loop``
+  (the trainer's run), ``step`` (one step and its non-finite guard), ``data`` (readers
+  and batches), ``optim`` (optimiser and schedule), ``evaluate``;
+- what a run keeps and tells: ``state`` (what a checkpoint holds), ``checkpoint``
+  (files), ``rng`` (the RNG streams' layout in a checkpoint), ``report``
+  (metrics.jsonl, TensorBoard, summary), ``mlperf`` (the MLPerf log), ``sweep`` (Hydra
+  sweeps: a table of jobs);
+- after training: ``predict`` (the set-up every family's predict command shares).
 """
 
 from typing import Any

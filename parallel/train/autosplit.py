@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from parallel import plan
-from parallel.train.preflight import SampleFacts
+from parallel.train.checks import SampleFacts
 
 log = logging.getLogger("parallel")
 

@@ -7,7 +7,8 @@ with ``torch.load(path, weights_only=True)``:
   from one grid loads at any other grid and serially);
 - ``optimizer``: the optimiser's ``state_dict`` (parameters in the serial model's order);
 - ``step``, ``epoch``, ``samples``: progress; ``sampler``: the sampler's state;
-- ``rng``: every rank's RNG streams (torch's, CUDA's and the dropout layers' own),
+- ``rng``: every rank's RNG streams (torch's, CUDA's and the dropout layers' own; their
+  layout is ``parallel.train.rng``'s),
   restored only at the same world size, so dropout masks repeat exactly;
   ``scaler``: the fp16 grad scaler;
 - ``meta``: the family, volume and model config it was written for (a resume checks
@@ -35,6 +36,7 @@ from parallel import comm
 from torch import nn
 
 from parallel.grid import Grid
+from parallel.train.rng import rng_state
 
 log = logging.getLogger("parallel.train")
 
@@ -46,58 +48,6 @@ def checkpoint_path(run_dir: str | os.PathLike) -> Path:
 def kept(directory: str | os.PathLike) -> list[Path]:
     """The numbered checkpoints ``step_<step>.pt`` of a directory, oldest first."""
     return sorted(Path(directory).glob("step_*.pt"))
-
-
-def _generators(model: nn.Module | None) -> list[torch.Generator]:
-    """Private generators of the model's layers (the spatial dropout streams)."""
-    gens: list[torch.Generator] = []
-    for m in (model.modules() if model is not None else ()):
-        for name in ("group_generator", "rank_generator"):
-            g = getattr(m, name, None)
-            if isinstance(g, torch.Generator):
-                gens.append(g)
-    return gens
-
-
-def rng_state(model: nn.Module | None = None) -> torch.Tensor:
-    """This rank's RNG streams as one uint8 tensor: torch's CPU RNG, CUDA's, the model's."""
-    states = [torch.get_rng_state()]
-    if torch.cuda.is_available():
-        states.append(torch.cuda.get_rng_state())
-    states += [g.get_state() for g in _generators(model)]
-    return torch.cat([s.cpu().view(torch.uint8).flatten() for s in states])
-
-
-class RngLayoutError(ValueError):
-    """Saved RNG streams that do not fit this process (another device kind, model or format)."""
-
-
-def set_rng_state(state: torch.Tensor, model: nn.Module | None = None) -> None:
-    """Inverse of ``rng_state``. The bytes are taken to the CPU first (a checkpoint loaded
-    with ``map_location`` on a GPU brings them there; torch's setters take CPU bytes), and
-    the whole layout is checked before any stream is set, so a foreign layout raises
-    ``RngLayoutError`` and leaves every stream as it was."""
-    if not isinstance(state, torch.Tensor) or state.device.type == "meta":
-        raise RngLayoutError(f"the saved RNG state holds no bytes ({type(state).__name__} on "
-                             f"{getattr(state, 'device', 'no device')})")
-    if state.dtype != torch.uint8 or state.dim() != 1:
-        raise RngLayoutError(f"the saved RNG state is {state.dtype} of shape {tuple(state.shape)}, "
-                             "not a flat uint8 tensor")
-    state = state.detach().to("cpu")
-    setters = [(torch.set_rng_state, torch.get_rng_state().numel(), "torch's CPU stream")]
-    if torch.cuda.is_available():
-        setters.append((torch.cuda.set_rng_state, torch.cuda.get_rng_state().numel(), "the CUDA stream"))
-    for g in _generators(model):
-        setters.append((g.set_state, g.get_state().numel(), f"a {g.device.type} dropout generator"))
-    need = sum(n for _, n, _ in setters)
-    if state.numel() != need:
-        parts = ", ".join(f"{what} {n}" for _, n, what in setters)
-        raise RngLayoutError(f"the saved RNG state holds {state.numel()} bytes, this process's streams "
-                             f"take {need} ({parts})")
-    offset = 0
-    for setter, n, _ in setters:
-        setter(state[offset:offset + n].clone())
-        offset += n
 
 
 def gather_rng(grid: Grid, model: nn.Module | None = None) -> torch.Tensor:
@@ -240,25 +190,3 @@ def _plain(value: Any) -> Any:
     if isinstance(value, str):
         return str(value)  # Choice enums compare by their value
     return value
-
-
-def restore_rng(ckpt: dict[str, Any], grid: Grid, seed: int, model: nn.Module | None = None) -> bool:
-    """Restore this rank's RNG streams if the world, the split and the streams' layout
-    match; else reseed deterministically (from ``seed``, the step and the data group) with a
-    warning. True if restored."""
-    rng = ckpt.get("rng") or {}
-    same = rng.get("world_size") == grid.world_size and list(rng.get("spatial", [])) == list(grid.spatial)
-    if same and "states" in rng:
-        try:
-            set_rng_state(rng["states"][grid.rank], model)
-            return True
-        except (RngLayoutError, IndexError, TypeError) as err:
-            log.warning("checkpoint RNG streams do not fit this process (%s; written on another kind of "
-                        "device?): reseeded, so the run continues correctly but not bit for bit", err)
-    else:
-        log.warning("checkpoint RNG streams are from a world of %s ranks split %s, this is %s split %s: "
-                    "dropout is reseeded, so the run continues correctly but not bit for bit",
-                    rng.get("world_size"), rng.get("spatial"), grid.world_size, list(grid.spatial))
-    # alike on the ranks of a spatial group (parallel.random_draws): batch-shaped draws stay the serial run's
-    torch.manual_seed(seed + 7919 * (int(ckpt.get("step", 0)) + 1) + grid.data_rank)
-    return False

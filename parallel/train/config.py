@@ -14,7 +14,7 @@ from enum import Enum
 from typing import Any, Optional
 
 from parallel.kfac.config import KFACConfig
-from parallel.train.convert import UnknownKeyError, to_dataclass, unknown_keys  # noqa: F401 - their home
+from parallel.train.from_hydra import UnknownKeyError, to_dataclass, unknown_keys  # noqa: F401 - their home
 
 
 class Choice(str, Enum):

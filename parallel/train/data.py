@@ -24,10 +24,9 @@ from parallel.data.loader import StepStats
 from parallel.data.reader import SampleReadError
 from parallel.grid import Grid
 from parallel.infer.windows import WindowCrop
-from parallel.train import cases
+from parallel.train.checks import SampleFacts, train_volume, window
 from parallel.train.config import JobConfig
 from parallel.train.family import Family
-from parallel.train.preflight import SampleFacts
 from parallel.train.prefetch import AheadCopies, copies_ahead
 
 log = logging.getLogger("parallel.train")
@@ -206,7 +205,7 @@ def build_data(cfg: JobConfig, family: Family, grid: Grid, facts: SampleFacts) -
                               max_open_files=cfg.data.max_open_files, nonfinite=str(cfg.data.nonfinite),
                               regions=crops, **check)
     # Validation never skips: a metric over fewer samples would not be the metric.
-    windows = WindowCrop(cases.window(cfg), cfg.eval.overlap) if sliding else None  # type: ignore[arg-type]
+    windows = WindowCrop(window(cfg), cfg.eval.overlap) if sliding else None  # type: ignore[arg-type]
     val_ds = CheckedDataset(val_dir, fields=fields, grid=grid, transform=family.transform,
                             max_open_files=cfg.data.max_open_files, nonfinite="fail", regions=windows, **check)
     if family.transform_for is not None:
@@ -235,7 +234,7 @@ def build_data(cfg: JobConfig, family: Family, grid: Grid, facts: SampleFacts) -
         train=Batches(_loader(train_ds, train_sampler, cfg, grid, cfg.train.seed + 1, ahead),
                       grid.device if ahead else None),
         val=Batches(_loader(val_ds, val_sampler, cfg, grid, cfg.train.seed + 2)),
-        n_train=n_train, n_val=n_val, volume=cases.train_volume(cfg, facts.volume), staging_seconds=staging,
-        fixed_volume=cases.train_volume(cfg, facts.volume) if cfg.data.crop is not None
+        n_train=n_train, n_val=n_val, volume=train_volume(cfg, facts.volume), staging_seconds=staging,
+        fixed_volume=train_volume(cfg, facts.volume) if cfg.data.crop is not None
         or len({tuple(shape) for _, shape in facts.train_shapes}) <= 1 else None,
     )

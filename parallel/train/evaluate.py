@@ -20,7 +20,7 @@ from torch import nn
 
 from parallel.grid import Grid
 from parallel.infer import evaluate_cases
-from parallel.train import cases
+from parallel.train.checks import window as eval_window
 from parallel.train.config import JobConfig
 from parallel.train.family import Family
 
@@ -42,7 +42,7 @@ def evaluate(model: nn.Module, loader: Any, family: Family, grid: Grid, cfg: Job
 
     ``loader``: the validation ``BlockLoader`` (its batches carry the regions read)."""
     ev = cfg.eval
-    window = cases.window(cfg)
+    window = eval_window(cfg)
     out = evaluate_cases(model, loader, grid, input_field=family.input_field, target_field=family.target_field,
                          metric=family.metric, loss=family.loss, mode=str(ev.mode),  # type: ignore[arg-type]
                          window=window,

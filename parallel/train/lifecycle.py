@@ -1,8 +1,10 @@
 """The process around a training job: start, failure and end.
 
 ``train(cfg, family)`` is collective: every rank of the job calls it with the same
-config. It validates the config, starts the process group (``parallel.spatial=auto``:
-rank 0 asks the planner), the watchdog and the threads, runs the ``Trainer``, and ends
+config. It validates the config (the first phase of the job's checks,
+``parallel.train.checks.JobChecks``), starts the process group (``parallel.spatial=auto``:
+rank 0 asks the planner), the watchdog and the threads, runs the ``Trainer`` (which runs
+the other phases: samples -> fit -> verify), and ends
 the process: 0 after a clean end, 2 for bad input or config, 1 for anything else, after
 one clear message; with several ranks the watchdog makes every rank stop, naming the rank
 that failed (``docs/failures.md``).
@@ -23,7 +25,8 @@ from parallel.data.reader import SampleReadError
 from parallel.grid import Grid
 from parallel.launch import env_rank
 from parallel.partition import SplitError
-from parallel.train import checkpoint, preflight
+from parallel.train import checkpoint
+from parallel.train.checks import ConfigError, InputError, JobChecks, is_auto
 from parallel.train.config import JobConfig
 from parallel.train.family import Family
 from parallel.train.loop import Trainer
@@ -40,7 +43,7 @@ EXIT_FAILURE = 1
 
 # Failures reported as one line (the message says what and where); anything else is
 # logged with its traceback, since it is probably a bug.
-CLEAN_ERRORS = (preflight.InputError, checkpoint.CheckpointError, SampleReadError, SplitError,
+CLEAN_ERRORS = (InputError, checkpoint.CheckpointError, SampleReadError, SplitError,
                 FileNotFoundError, PermissionError, NonFiniteError)
 
 
@@ -54,20 +57,19 @@ def train(cfg: JobConfig, family: Family, config_text: str | None = None) -> dic
     reports its status (2) and a sweep run in these processes goes on to its next job.
     """
     setup_logging(cfg.run, env_rank())
-    auto = preflight.is_auto(cfg.parallel.spatial)
+    checks = JobChecks(cfg, family)  # validate here; the trainer runs samples -> fit -> verify
+    auto = is_auto(cfg.parallel.spatial)
     try:
-        preflight.validate_config(cfg)
-    except preflight.ConfigError as err:
+        checks.validate()
+    except ConfigError as err:
         if env_rank() == 0:  # every rank finds the same: one message
             log.error("bad config: %s", err)
         raise SystemExit(EXIT_USER) from err
-    facts: preflight.SampleFacts | None = None
 
     def decide(world: Any) -> list[int]:  # rank 0, once the process group runs; facts are not read again
-        nonlocal facts
         from parallel.train.autosplit import auto_spatial
 
-        facts = preflight.read_facts(cfg, family)
+        facts = checks.read_facts()
         return auto_spatial(cfg, family, facts, world_size=world.world_size, local_size=world.max_ranks_per_node)
 
     try:
@@ -88,7 +90,7 @@ def train(cfg: JobConfig, family: Family, config_text: str | None = None) -> dic
         save_config = _settle_run_dir(cfg, grid, config_text)
         watchdog = _start_watchdog(cfg, grid)
         _set_threads(grid)
-        summary = Trainer(cfg, family, grid, facts, on_start=save_config).fit()
+        summary = Trainer(cfg, family, grid, checks, on_start=save_config).fit()
     except BaseException as exc:  # noqa: BLE001 - every failure ends the job, loudly
         _fail(exc, grid, watchdog)
     if watchdog is not None:
@@ -168,7 +170,7 @@ def _fail(exc: BaseException, grid: Grid, watchdog: Watchdog | None) -> NoReturn
     if isinstance(exc, SystemExit) and not exc.code:
         exc = RuntimeError("exited early (SystemExit)")
     user = isinstance(exc, CLEAN_ERRORS)
-    code = EXIT_USER if isinstance(exc, preflight.InputError) else EXIT_FAILURE
+    code = EXIT_USER if isinstance(exc, InputError) else EXIT_FAILURE
     collective = bool(getattr(exc, "collective", False))
     if watchdog is not None and collective:
         # Every rank stops here alike: leave together, through the normal exit, so that

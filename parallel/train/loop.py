@@ -1,7 +1,7 @@
 """The trainer's run: epochs of steps, evaluation, the stop at the quality target,
 checkpoints and reporting.
 
-``Trainer(cfg, family, grid, facts).fit()`` runs on every rank of a job that
+``Trainer(cfg, family, grid, checks).fit()`` runs on every rank of a job that
 ``parallel.train.lifecycle.train`` started. The trainer owns the readers, the
 hybrid-parallel model, the optimiser and schedule, mixed precision and the
 ``TrainState``; one step is a ``TrainStep``; the family supplies the network, fields,
@@ -22,9 +22,10 @@ from mlperf_logging.mllog import constants as C
 
 import parallel
 from parallel.grid import Grid
-from parallel.random_draws import stream_seed
 from parallel.infer import evaluation_due
-from parallel.train import cases, checkpoint, preflight, verification
+from parallel.random_draws import stream_seed
+from parallel.train import checkpoint, rng
+from parallel.train.checks import InputError, JobChecks
 from parallel.train.config import JobConfig
 from parallel.train.data import build_data, fixed_shapes
 from parallel.train.evaluate import evaluate
@@ -43,18 +44,21 @@ class Trainer:
     """One job's state; ``fit`` runs it to the end (epochs, max_steps or target)."""
 
     def __init__(self, cfg: JobConfig, family: Family, grid: Grid,
-                 facts: preflight.SampleFacts | None = None, on_start: Callable[[], None] | None = None) -> None:
-        """``on_start``: called (every rank) once the checks passed and a resume is known
-        to proceed, before any file of the run is written, moved or cut."""
+                 checks: JobChecks | None = None, on_start: Callable[[], None] | None = None) -> None:
+        """``checks``: the job's checks, validated (``lifecycle.train``; None: validated here);
+        the trainer runs the rest of the pass: samples -> fit here, verify once the model is
+        built. ``on_start``: called (every rank) once the checks passed and a resume is
+        known to proceed, before any file of the run is written, moved or cut."""
         self.cfg, self.family, self.grid = cfg, family, grid
         run_dir = Path(cfg.run.dir)
         self.ckpt_path = checkpoint.checkpoint_path(run_dir)
         self.resuming = cfg.train.resume and self.ckpt_path.is_file()
+        if checks is None:
+            checks = JobChecks(cfg, family)
+            checks.validate()
         # bad files stop the job here, on every rank; the facts are read once and handed on
-        facts = preflight.check_data(cfg, family, grid, facts)
-        cases.check(cfg, family, grid, facts.channels, facts.train_shapes, facts.val_shapes)
-        volume = cases.train_volume(cfg, facts.volume)
-        preflight.check_model(family, cfg.model, volume, facts.channels, grid, cfg.train)
+        facts = checks.samples(grid)
+        volume = checks.fit(grid)
         meta = {"family": family.name, "volume": list(volume), "model": plain_config(cfg.model)}
         self._ckpt = None
         if self.resuming:  # a checkpoint of another model is refused before any log is moved or cut
@@ -62,7 +66,7 @@ class Trainer:
             try:
                 checkpoint.check_matches(self._ckpt[0], meta, self._ckpt[1])
             except checkpoint.CheckpointError as err:  # a config that does not fit: exit 2, like other config errors
-                raise preflight.InputError(str(err)) from None
+                raise InputError(str(err)) from None
         if on_start is not None:
             on_start()
         if grid.rank == 0:
@@ -75,16 +79,13 @@ class Trainer:
         self.ml.end(C.STAGING_STOP, staging_duration=self.data.staging_seconds)
         torch.manual_seed(cfg.train.seed)  # the same initial weights at every grid
         self.model = family.build_model(cfg.model, self.data.volume)
-        serial = verification.serial_copy(cfg, self.model, grid)  # before parallelize converts the model
         # Flatten+Linear weights sharded by block, except under K-FAC, which preconditions the
         # whole weight (a sharded one would take the plain update, unlike the serial run).
-        self.pmodel = parallel.parallelize(self.model, grid, seed=cfg.train.seed,
-                                           overlap_halo=cfg.parallel.overlap_halo,
-                                           recompute=cfg.train.activation_checkpointing,
-                                           input_shape=(facts.channels, *self.data.volume),
-                                           shard_linear=str(cfg.optim.name) != "kfac")
-        verification.run(serial, self.pmodel, cfg, grid, self.data.volume, facts.channels)  # parallel.verify
-        del serial
+        # parallel.verify: the converted model against a copy of the serial one, before the first step
+        self.pmodel = checks.verify(self.model, lambda: parallel.parallelize(
+            self.model, grid, seed=cfg.train.seed, overlap_halo=cfg.parallel.overlap_halo,
+            recompute=cfg.train.activation_checkpointing, input_shape=(facts.channels, *self.data.volume),
+            shard_linear=str(cfg.optim.name) != "kfac"), grid)
         reset_peak_memory(grid.device)  # the summary's peaks are training's, not the float64 verification's
         # one global stream per data group, alike on the ranks of a spatial group (the serial run's for
         # data group 0): random draws in a network's forward (stochastic depth) equal the serial run's
@@ -125,7 +126,7 @@ class Trainer:
         self.state.load_state_dict(ckpt, path)
         self.saved_step = self.progress.step
         self._run_s_before = self.progress.run_s
-        checkpoint.restore_rng(ckpt, self.grid, self.cfg.train.seed, self.model)
+        rng.restore_rng(ckpt, self.grid, self.cfg.train.seed, self.model)
         log.info("resumed from %s at step %d (epoch %d)", path, self.progress.step, self.progress.epoch)
 
     def save(self, run_s: float) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import resource
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import torch
 from parallel import comm
 
 from parallel.grid import Grid
+from parallel.memory import peak_rss_bytes
 from parallel.train.config import RunConfig
 
 log = logging.getLogger("parallel.train")
@@ -60,14 +60,7 @@ def peak_memory_bytes(device: torch.device) -> int:
     inherited across exec)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux and BSD report KiB
+    return peak_rss_bytes()
 
 
 def peak_reserved_bytes(device: torch.device) -> int:

@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from parallel.grid import Grid
-from parallel.parallelize import ParallelModule
-from parallel.train.preflight import InputError
+from parallel.parallel_module import ParallelModule
+from parallel.train.checks.errors import InputError
 from parallel.train.usermodel import is_user_model
 from parallel.verify import VerificationError, custom_forwards, probe_shape, verify
 

@@ -1,0 +1,20 @@
+"""This process's peak resident memory, read one way for the training report
+(``parallel.train.report``) and the benchmarks (``parallel.bench.device``)."""
+
+from __future__ import annotations
+
+import resource
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process: Linux's VmHWM (reset by ``5`` into
+    ``/proc/self/clear_refs``); elsewhere ``ru_maxrss``, which would report the launcher's
+    peak where that is larger, as it is inherited across exec."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux and BSD report KiB

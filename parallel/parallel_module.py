@@ -1,0 +1,81 @@
+"""``ParallelModule``: what ``parallelize`` returns, the hybrid-parallel model around the
+converted serial one (its own module so that what takes one, ``parallel.verify``, the
+K-FAC optimiser, the training checks, need not import ``parallelize``)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from parallel.comm import replicated_grad
+from parallel.gradsync import GradSync
+from parallel.grid import Grid
+from parallel.layers.replicated import is_replicated
+from parallel.layers.shapes import ShapeTracker
+
+
+def _first_volume(args: tuple, kwargs: Mapping[str, Any]) -> torch.Tensor | None:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim() == 5:
+            return value
+    return None
+
+
+class ParallelModule(nn.Module):
+    """The hybrid-parallel model: takes this rank's block, returns this rank's block
+    (5-D outputs) or a replicated tensor (outputs with fewer dims, e.g. after
+    Flatten+Linear). ``state_dict``/``load_state_dict`` use the serial model's keys."""
+
+    def __init__(self, module: nn.Module, grid: Grid, shapes: ShapeTracker, bucket_mb: float) -> None:
+        super().__init__()
+        self.module = module
+        self.grid = grid
+        self.shapes = shapes
+        data_grads = (getattr(grid, "grad_data_group", None) or grid.data_group) if grid.data_size > 1 else None
+        self.sync = GradSync(module, grid.grad_group, grid.data_size, bucket_mb, data_grads) \
+            if grid.world_size > 1 else None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.sync is not None and torch.is_grad_enabled():
+            self.sync.prepare()
+        volume = _first_volume(args, kwargs)
+        key = None
+        if volume is not None and self.grid.spatial_size > 1:
+            key = self.shapes.input_dims(volume, "model input")
+        with self.shapes.forward(key):
+            out = self.module(*args, **kwargs)
+        return self._mark_replicated(out)
+
+    def _mark_replicated(self, out: Any) -> Any:
+        if isinstance(out, torch.Tensor):
+            return replicated_grad(out, self.grid) if out.dim() < 5 or is_replicated(out) else out
+        if isinstance(out, (tuple, list)):
+            return type(out)(self._mark_replicated(o) for o in out)
+        if isinstance(out, dict):
+            return {k: self._mark_replicated(v) for k, v in out.items()}
+        return out
+
+    def fixed_input(self, volume: Sequence[int]) -> contextlib.AbstractContextManager:
+        """Inside: every input is a block of a global (D, H, W) ``volume`` (training batches),
+        so the forward needs no all-gather of block sizes (``ShapeTracker.fixed``)."""
+        return self.shapes.fixed(volume)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the next backward outside this block syncs them."""
+        if self.sync is None:
+            yield
+            return
+        with self.sync.no_sync():
+            yield
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The serial model's keys and tensors. A sharded Linear weight is gathered whole: a
+        collective over the spatial group, so every rank of the group must call it."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)

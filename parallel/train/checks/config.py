@@ -1,0 +1,121 @@
+"""Config-only checks: the values Hydra's types cannot check (lengths, signs, ranges,
+crop and evaluation settings, the schedule, K-FAC's settings), before any file is read
+or any process group started; and the volumes the config makes the network see.
+
+``validate_config`` raises ``ConfigError`` naming the first key whose value cannot work.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from parallel.train.checks.errors import ConfigError
+from parallel.train.config import JobConfig
+
+Shape = tuple[int, int, int]
+
+
+def is_auto(spatial: Any) -> bool:
+    """Whether ``parallel.spatial`` asks the planner to choose (``auto``)."""
+    return isinstance(spatial, str) and spatial == "auto"
+
+
+def validate_config(cfg: JobConfig) -> None:
+    """Raise ``ConfigError`` naming the first key whose value cannot work."""
+    spatial = cfg.parallel.spatial
+    spatial_ok = is_auto(spatial) or isinstance(spatial, (list, tuple)) and len(spatial) == 3 and all(
+        isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in spatial)
+    checks: list[tuple[bool, str]] = [
+        (spatial_ok, f"parallel.spatial={spatial}: want three positive ints [sd, sh, sw] or auto"),
+        (isinstance(cfg.parallel.overlap_halo, bool) or cfg.parallel.overlap_halo == "auto",
+         f"parallel.overlap_halo={cfg.parallel.overlap_halo}: want true, false or auto"),
+        (cfg.parallel.timeout_s > 0, f"parallel.timeout_s={cfg.parallel.timeout_s}: want > 0"),
+        (cfg.parallel.heartbeat_s > 0, f"parallel.heartbeat_s={cfg.parallel.heartbeat_s}: want > 0"),
+        (cfg.train.global_batch_size >= 1,
+         f"train.global_batch_size={cfg.train.global_batch_size}: want >= 1"),
+        (cfg.train.accum_steps >= 1, f"train.accum_steps={cfg.train.accum_steps}: want >= 1"),
+        (cfg.train.epochs >= 1, f"train.epochs={cfg.train.epochs}: want >= 1"),
+        (cfg.train.max_steps >= 0, f"train.max_steps={cfg.train.max_steps}: want >= 0"),
+        (cfg.train.max_skipped_steps >= 0, f"train.max_skipped_steps={cfg.train.max_skipped_steps}: want >= 0"),
+        (cfg.data.workers >= 0, f"data.workers={cfg.data.workers}: want >= 0"),
+        (cfg.run.keep_checkpoints >= 1, f"run.keep_checkpoints={cfg.run.keep_checkpoints}: want >= 1"),
+        (cfg.run.log_every >= 1, f"run.log_every={cfg.run.log_every}: want >= 1"),
+        (cfg.run.checkpoint_every >= 0, f"run.checkpoint_every={cfg.run.checkpoint_every}: want >= 0"),
+        (cfg.optim.lr > 0, f"optim.lr={cfg.optim.lr}: want > 0"),
+        (str(cfg.parallel.verify).lower() in ("auto", "true", "false"),
+         f"parallel.verify={cfg.parallel.verify}: want auto, true or false"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    from parallel.train.optim import check_schedule
+
+    try:
+        check_schedule(cfg.sched, cfg.optim, cfg.train.global_batch_size)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    _validate_crop_and_eval(cfg)
+    if str(cfg.optim.name) == "kfac":
+        _validate_kfac(cfg)
+
+
+def _validate_crop_and_eval(cfg: JobConfig) -> None:
+    """``ConfigError`` for crop and evaluation settings that cannot work (no files needed)."""
+    crop = cfg.data.crop
+    if crop is not None and (len(crop) != 3 or min(int(c) for c in crop) < 1):
+        raise ConfigError(f"data.crop={list(crop)}: want three positive sizes [D, H, W] or null")
+    if not 0.0 <= cfg.data.oversampling <= 1.0:
+        raise ConfigError(f"data.oversampling={cfg.data.oversampling}: a probability, want 0 <= p <= 1")
+    ev = cfg.eval
+    if ev.window is not None and (len(ev.window) != 3 or min(int(w) for w in ev.window) < 1):
+        raise ConfigError(f"eval.window={list(ev.window)}: want three positive sizes [D, H, W] or null")
+    if not 0.0 <= ev.overlap < 1.0:
+        raise ConfigError(f"eval.overlap={ev.overlap}: want 0 <= overlap < 1")
+    if str(ev.mode) == "sliding" and window(cfg) is None:
+        raise ConfigError("eval.mode=sliding needs a window: set eval.window=[D,H,W] or data.crop=[D,H,W] "
+                          "(the reference's window is the crop), or eval.mode=whole")
+    if ev.start_epoch < 0:
+        raise ConfigError(f"eval.start_epoch={ev.start_epoch}: want >= 0 (0: every train.eval_every epochs)")
+    if str(ev.mode) == "sliding":
+        from parallel.infer.windows import plan_windows
+
+        w = window(cfg)
+        try:
+            plan_windows(w, w, ev.overlap)  # type: ignore[arg-type]
+        except ValueError as err:
+            raise ConfigError(f"eval.overlap={ev.overlap} with the window {list(w)}: "  # type: ignore[arg-type]
+                              f"{err}") from None
+
+
+def _validate_kfac(cfg: JobConfig) -> None:
+    """``optim.kfac``'s settings, and what K-FAC's base step (torch's SGD) cannot do."""
+    try:
+        cfg.optim.kfac.validate()
+    except ValueError as err:  # its messages name the field as kfac.<name>
+        raise ConfigError(f"optim.{err}") from None
+    if str(cfg.optim.momentum_form) == "keras":
+        raise ConfigError("optim.momentum_form=keras: optim.name=kfac takes torch's SGD step on the "
+                          "preconditioned gradients (b = m b + g; p -= lr b); set optim.momentum_form=torch")
+
+
+def check_world(spatial: Sequence[int], world_size: int) -> None:
+    """``ConfigError`` when ``parallel.spatial`` does not divide the world."""
+    size = 1
+    for s in spatial:
+        size *= int(s)
+    if world_size % size:
+        sd, sh, sw = (int(s) for s in spatial)
+        raise ConfigError(f"parallel.spatial=[{sd},{sh},{sw}] needs a multiple of {size} ranks, the job has "
+                          f"{world_size}: data x spatial({sd}x{sh}x{sw}) cannot equal {world_size}")
+
+
+def window(cfg: JobConfig) -> Shape | None:
+    """The sliding window of the job's evaluation: ``eval.window``, else the crop."""
+    w = cfg.eval.window if cfg.eval.window is not None else cfg.data.crop
+    return tuple(int(v) for v in w) if w is not None else None  # type: ignore[return-value]
+
+
+def train_volume(cfg: JobConfig, volume: Sequence[int]) -> Shape:
+    """The volume the network trains on: the crop, or the cases' (``volume``: the first case's)."""
+    v = cfg.data.crop if cfg.data.crop is not None else volume
+    return tuple(int(n) for n in v)  # type: ignore[return-value]
