@@ -5,7 +5,7 @@ K-FAC optimiser, the training checks, need not import ``parallelize``)."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -14,7 +14,7 @@ from parallel.comm import replicated_grad
 from parallel.gradsync import GradSync
 from parallel.grid import Grid
 from parallel.layers.replicated import is_replicated
-from parallel.layers.shapes import ShapeTracker, infer_global_dims
+from parallel.layers.shapes import ShapeTracker
 
 
 def _first_volume(args: tuple, kwargs: Mapping[str, Any]) -> torch.Tensor | None:
@@ -44,7 +44,7 @@ class ParallelModule(nn.Module):
         volume = _first_volume(args, kwargs)
         key = None
         if volume is not None and self.grid.spatial_size > 1:
-            key = infer_global_dims(volume, self.grid, "model input")
+            key = self.shapes.input_dims(volume, "model input")
         with self.shapes.forward(key):
             out = self.module(*args, **kwargs)
         return self._mark_replicated(out)
@@ -57,6 +57,11 @@ class ParallelModule(nn.Module):
         if isinstance(out, dict):
             return {k: self._mark_replicated(v) for k, v in out.items()}
         return out
+
+    def fixed_input(self, volume: Sequence[int]) -> contextlib.AbstractContextManager:
+        """Inside: every input is a block of a global (D, H, W) ``volume`` (training batches),
+        so the forward needs no all-gather of block sizes (``ShapeTracker.fixed``)."""
+        return self.shapes.fixed(volume)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -14,7 +14,7 @@ applied to split tensors during the probe (recorded by a ``TorchFunctionMode``).
 The probe is small (``probe_shape``: the network's total downsampling factor times the
 split per dim, at least twice that factor), so the serial forward on every rank costs
 little; dropout is switched off during the check, and the model's buffers (BatchNorm
-running statistics) and gradients are put back afterwards.
+running statistics) and gradients are put back afterwards (random draws: ``parallel.random_draws``).
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ from parallel.layers.replicated import is_replicated
 from parallel.nested import tensors as _leaves
 from parallel.parallel_module import ParallelModule
 from parallel.partition import SplitError
+from parallel.random_draws import DrawRecorder, SameStream, check_split_draws
+from parallel.scatter import scatter
 from parallel.verify_ops import describe_op
 
 log = logging.getLogger("parallel")
@@ -230,7 +232,8 @@ def verify(serial: nn.Module, pmodel: ParallelModule, probe: Sequence[int] | tor
         if isinstance(m, DROPOUTS):
             m.eval()
     try:
-        return _compare(serial, pmodel, x, grid, grads, rtol, seed)
+        with SameStream(grid.device) as stream:
+            return _compare(serial, pmodel, x, grid, grads, rtol, seed, stream)
     finally:
         for m, training in modes:
             m.train(training)
@@ -245,7 +248,7 @@ def verify(serial: nn.Module, pmodel: ParallelModule, probe: Sequence[int] | tor
 
 
 def _compare(serial: nn.Module, pmodel: ParallelModule, x: torch.Tensor, grid: Grid, grads: bool, rtol: float,
-             seed: int) -> dict[str, Any]:
+             seed: int, stream: SameStream) -> dict[str, Any]:
     synced = any(isinstance(m, SpatialBatchNorm3d) and m.sync_data for m in pmodel.module.modules())
     rows = [(0, x.shape[0])] if synced else [grid_rows(grid, x.shape[0], d) for d in range(grid.data_size)]
     mine = 0 if synced else grid.data_rank
@@ -254,11 +257,14 @@ def _compare(serial: nn.Module, pmodel: ParallelModule, x: torch.Tensor, grid: G
     ref_grads: dict[str, torch.Tensor] = {}
     ref_outs: list[torch.Tensor] = []
     weights: list[torch.Tensor] = []
+    serial_draws: list = []
     for unit, (a, b) in enumerate(rows):
         hooks = _hook_all(serial, serial_calls) if unit == mine else []
+        stream.restart()
         try:
-            with torch.set_grad_enabled(grads):
+            with torch.set_grad_enabled(grads), DrawRecorder(serial) as drawn:
                 out = _leaves(serial(x[a:b]))
+            serial_draws = drawn.draws if unit == mine else serial_draws  # this data group's
         except Exception as err:  # noqa: BLE001 - the probe is wrong, not the split
             raise ValueError(f"the serial {type(serial).__name__} does not accept the probe of shape "
                              f"{tuple(x.shape)} ({type(err).__name__}: {err}); pass a probe it accepts") from err
@@ -280,13 +286,12 @@ def _compare(serial: nn.Module, pmodel: ParallelModule, x: torch.Tensor, grid: G
                         for k, t, vs, f in serial_calls]
         ref_outs = [o[r0:r1] for o in ref_outs]
         weights = [w[r0:r1] for w in weights]
-    from parallel.scatter import scatter
-
     split_calls: list = []
     recorder = _Recorder()
     hooks = _hook_all(pmodel.module, split_calls, recorder)
+    stream.restart()
     try:
-        with torch.set_grad_enabled(grads), recorder:
+        with torch.set_grad_enabled(grads), recorder, DrawRecorder(pmodel.module) as drawn:
             outs = _leaves(pmodel(scatter(x, grid)))
     except Exception as err:
         where = recorder.stack[-1][0] if recorder.stack else "<model>"
@@ -295,6 +300,7 @@ def _compare(serial: nn.Module, pmodel: ParallelModule, x: torch.Tensor, grid: G
     finally:
         for h in hooks:
             h.remove()
+    check_split_draws(serial_draws, drawn.draws, grid, f"on probe {tuple(x.shape)}", VerificationError)
     report = _check_outputs(serial_calls, split_calls, recorder, grid, rtol, tuple(x.shape))
     if grads:
         local = []

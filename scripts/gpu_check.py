@@ -10,7 +10,11 @@ Steps (each a separate process, as a user would run it):
 3. ``train``: a short CosmoFlow and U-Net training on the GPUs in bf16 and fp16, a
    resume that continues it, and a prediction from its checkpoint;
 4. ``probe``: step time and peak memory of a CosmoFlow step per GPU: allocated, reserved,
-   and the device memory in use (``mem_get_info``: reserved + CUDA context + NCCL).
+   and the device memory in use (``mem_get_info``: reserved + CUDA context + NCCL);
+5. ``bench``: ``scripts/benchmark.py step --device cuda`` on two GPUs (skipped by ``--cpu``).
+
+A step that outlasts its timeout ends with its whole process tree (``end_tree``: torchrun's
+workers run in sessions of their own and would otherwise hold the GPUs).
 
 ``--cpu`` runs the same steps on the CPU with gloo at tiny sizes (2 ranks, bf16 where a
 precision is asked for; fp16 and tf32 need a GPU), so the check itself is tested where
@@ -26,6 +30,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -72,11 +77,16 @@ class Check:
         log = self.out / "logs" / f"{step.replace(' ', '_')}.log"
         log.parent.mkdir(exist_ok=True)
         t0 = time.perf_counter()
+        # its own session: on a timeout the whole tree ends, torchrun's workers included
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env or self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
         try:
-            proc = subprocess.run(cmd, cwd=REPO, env=env or self.env, capture_output=True, text=True, timeout=timeout)
-            text, code = proc.stdout + proc.stderr, proc.returncode
-        except subprocess.TimeoutExpired as err:
-            text, code = f"{err.stdout or ''}{err.stderr or ''}\ntimed out after {timeout:.0f} s", 124
+            out, err = proc.communicate(timeout=timeout)
+            text, code = out + err, proc.returncode
+        except subprocess.TimeoutExpired:
+            ended = end_tree(proc.pid)
+            out, err = proc.communicate()
+            text, code = f"{out}{err}\ntimed out after {timeout:.0f} s; ended processes {ended}", 124
         log.write_text(f"$ {' '.join(cmd)}\n{text}", encoding="utf-8")
         result = Result(step, "pass" if code == 0 else "fail", round(time.perf_counter() - t0, 1))
         result.data["output"] = text
@@ -187,6 +197,21 @@ class Check:
                 r.status, r.notes = "fail", "no PROBE lines in the output"
             self.record(r)
 
+    def bench(self) -> None:
+        """``scripts/benchmark.py step --device cuda``: serial, spatial 2 and data 2 on two GPUs
+        (its trial times reduced and its grids built on the GPUs, not the CPU)."""
+        if self.cpu:  # GPUs only: tests/test_device_paths.py checks where its tensors go
+            return
+        if self.gpus < 2:
+            self.record(Result("benchmark step --device cuda", "skip", notes="needs 2 GPUs or more"))
+            return
+        r = self.run("benchmark step --device cuda",
+                     [sys.executable, str(REPO / "scripts" / "benchmark.py"), "step", "--device", "cuda",
+                      "--models", "cosmoflow", "--size", "64", "--batch", "2", "--trials", "3", "--no-weak",
+                      "--calibration", str(self.out / "calibration.json"), "--out", str(self.out / "bench_step.jsonl")], 900)
+        r.notes = r.notes or _last_line(r.data["output"])
+        self.record(r)
+
     # -- summary ---------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
         failed = [r.step for r in self.results if r.status == "fail"]
@@ -201,6 +226,66 @@ class Check:
         print(f"\n{len(self.results) - len(failed)}/{len(self.results)} steps passed or skipped; "
               f"{self.out / 'gpu_check.json'}")
         return report
+
+
+def _children() -> dict[int, list[int]]:
+    """Every process's children (Linux /proc), by parent pid."""
+    kids: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text(encoding="ascii", errors="replace")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        kids.setdefault(ppid, []).append(int(entry.name))
+    return kids
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it, parents first."""
+    kids, found, todo = _children(), [], [pid]
+    while todo:
+        p = todo.pop(0)
+        found.append(p)
+        todo.extend(kids.get(p, []))
+    return found
+
+
+def end_tree(pid: int, grace: float = 10.0) -> list[int]:
+    """End ``pid`` and everything below it: SIGTERM to each one's process group and to
+    itself (torchrun's workers run in sessions of their own, so the launcher's group does
+    not reach them), then SIGKILL to what is left after ``grace`` seconds. The tree is
+    read before any signal, while the workers still have torchrun as their parent."""
+    tree = descendants(pid)
+
+    def signal_all(sig: int) -> None:
+        for p in tree:
+            for target in ("group", "pid"):
+                try:
+                    if target == "group":
+                        os.killpg(os.getpgid(p), sig)
+                    else:
+                        os.kill(p, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    signal_all(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(_alive(p) for p in tree):
+        time.sleep(0.1)
+    signal_all(signal.SIGKILL)
+    return tree
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace").rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 def _gpu_count() -> int:
@@ -248,8 +333,9 @@ def _with_summary(r: Result) -> Result:
     s = r.data.get("summary") or {}
     if s and r.status == "pass":
         mib = max(s.get("peak_memory_bytes_per_rank") or [0]) / 2**20
+        reserved = max(s.get("peak_reserved_bytes_per_rank") or [0]) / 2**20
         r.notes = (f"{s.get('steps')} steps, {s.get('samples_per_s', 0):.2f} samples/s, "
-                   f"peak memory {mib:.0f} MiB per rank (summary.json)")
+                   f"peak memory {mib:.0f} MiB allocated, {reserved:.0f} MiB reserved per rank (summary.json)")
     return r
 
 
@@ -257,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu", action="store_true", help="dry run on the CPU with gloo at tiny sizes")
     ap.add_argument("--out", default="runs/gpu_check", help="where logs, runs and gpu_check.json go")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["selfcheck", "layers", "train", "probe"],
+    ap.add_argument("--skip", nargs="*", default=[], choices=["selfcheck", "layers", "train", "probe", "bench"],
                     help="leave out these steps")
     args = ap.parse_args(argv)
     check = Check(args)
@@ -273,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         check.train("unet3d")
     if "probe" not in args.skip:
         check.probe()
+    if "bench" not in args.skip:
+        check.bench()
     return 0 if check.summary()["ok"] else 1
 
 

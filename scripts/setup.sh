@@ -5,7 +5,7 @@
 #   bash scripts/setup.sh            # then: source .venv/bin/activate
 #
 # torch: an installed torch (a GPU build on a cluster) is kept. Where none is present, the
-# CPU build is installed first, so that the plain "torch>=2.4" requirement does not pull a
+# CPU build is installed first, so that the plain "torch>=2.6" requirement does not pull a
 # multi-GB CUDA build onto a machine without a GPU. Set TORCH_SPEC to choose another.
 set -euo pipefail
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
@@ -25,7 +25,7 @@ if [[ -z "${VIRTUAL_ENV:-}" ]]; then
 fi
 if ! python -c "import torch" 2>/dev/null; then
     echo "setup: no torch found; installing the CPU build (${TORCH_SPEC:-torch==2.13.0})"
-    python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}" || python -m pip install -q "torch>=2.4"
+    python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}" || python -m pip install -q "torch>=2.6"
 fi
 python -m pip install -q -e ".[mpi,test,monai,slurm]"
 echo "setup: done ($(python -c 'import torch; print("torch", torch.__version__)'), $(command -v mpirun || echo 'no mpirun'))"

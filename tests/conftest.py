@@ -99,6 +99,12 @@ TIERS = {
     "test_user_model_config": "unit",
     "test_user_models": "launch",
     "test_verify": "ranks",
+    "test_torch_floor": "unit",
+    "test_device_paths": "unit",
+    "test_peak_memory": "unit",
+    "test_random_draws": "ranks",
+    "test_step_audit": "ranks",
+    "test_gpu_check_timeouts": "launch",
     "test_watchdog": "unit",
 }
 

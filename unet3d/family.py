@@ -9,9 +9,8 @@ from enum import Enum
 import torch
 
 from parallel import augment as spatial_augment
-from parallel import comm
 from parallel.grid import Grid
-from parallel.layers.shapes import infer_global_dims
+from parallel.layers.shapes import input_volume
 from parallel.train.config import (DataConfig, EvalConfig, JobConfig, MLPerfConfig, OptimConfig, ScheduleConfig,
                                    TrainConfig)
 from parallel.train.family import Family, register
@@ -108,38 +107,36 @@ def augment(batch: dict[str, torch.Tensor], gen: torch.Generator, grid: Grid,
             cfg: UNet3DJob) -> dict[str, torch.Tensor]:
     """Random flips, brightness and Gaussian noise of this rank's part of the batch.
 
-    Collective over the spatial group (flips along split dims) and, with several data
-    groups, over the data group (each group's offset in the global batch).
+    Collective over the spatial group (flips along split dims, and the volume's global
+    shape where the training loop has not declared it); every data group holds as many rows.
     """
     aug = cfg.augment
     image, label = batch["image"], batch["label"]
     if not aug.enabled or image.dim() != 5:
         return batch
     n = image.shape[0]
-    counts = [n]
-    if grid.data_size > 1:
-        mine = torch.tensor([n], dtype=torch.int64, device=comm.group_device(grid.data_group))
-        counts = [int(c) for c in torch.cat(comm.all_gather(mine, grid.data_group)).tolist()]
-    offset = sum(counts[: grid.data_rank]) if grid.data_size > 1 else 0
-    total = sum(counts)
+    # every data group holds the same number of rows (train.global_batch_size divides into
+    # them: build_data checks it), so each group's offset needs no exchange of counts
+    offset, total = n * grid.data_rank, n * grid.data_size
     if n == 0:  # the whole spatial group holds no rows this step: nothing to exchange
         return batch
     # every rank draws the whole global batch's choices and keeps its own rows
-    draws = torch.rand(total, 7, generator=gen, dtype=torch.float64)[offset:offset + n]
-    keys = torch.randint(0, 2**31 - 1, (total,), generator=gen)[offset:offset + n]
-    volume = infer_global_dims(image, grid, "unet3d augment")
+    # drawn by a CPU generator and read once as Python numbers (host data on every device)
+    draws = torch.rand(total, 7, generator=gen, dtype=torch.float64)[offset:offset + n].tolist()
+    keys = torch.randint(0, 2**31 - 1, (total,), generator=gen)[offset:offset + n].tolist()
+    volume = input_volume(image, grid, "unet3d augment")  # the training loop declares it: no gather
     block = grid.block_range(volume) if grid.spatial_size > 1 else [(0, v) for v in volume]
     images, labels = [], []
     for i in range(n):
         x, y = image[i:i + 1], label[i:i + 1].unsqueeze(1)
-        dims = [d for d in (2, 3, 4) if draws[i, d - 2] < aug.flip_prob]
+        dims = [d for d in (2, 3, 4) if draws[i][d - 2] < aug.flip_prob]
         x = spatial_augment.flip(x, dims, grid, volume)
         y = spatial_augment.flip(y, dims, grid, volume)
-        if draws[i, 3] < aug.brightness_prob:
-            x = x * brightness_scale(float(draws[i, 4]), aug.brightness, aug.brightness_form)
-        if draws[i, 5] < aug.noise_prob:
-            noise = spatial_augment.voxel_noise(int(keys[i]), x.shape[1], block, volume, x.device)
-            x = x + float(aug.noise_std * draws[i, 6]) * noise.to(x.dtype)[None]
+        if draws[i][3] < aug.brightness_prob:
+            x = x * brightness_scale(draws[i][4], aug.brightness, aug.brightness_form)
+        if draws[i][5] < aug.noise_prob:
+            noise = spatial_augment.voxel_noise(keys[i], x.shape[1], block, volume, x.device)
+            x = x + float(aug.noise_std * draws[i][6]) * noise.to(x.dtype)[None]
         images.append(x)
         labels.append(y.squeeze(1))
     out = dict(batch)

@@ -51,6 +51,15 @@ class Stepper:
         dev.sync(self.device)  # the timers see the device's work (CUDA)
 
 
+def step_grids(grid: Grid) -> tuple[Grid, Grid]:
+    """The serial grid (this rank alone) and the data-parallel grid (every rank, no split)
+    of the step benchmark, both on ``grid``'s device: on GPUs ``parallelize`` broadcasts
+    the parameters over NCCL, which takes only tensors on the rank's GPU."""
+    serial = Grid(spatial=(1, 1, 1), world_size=1, rank=0, device=grid.device)
+    data = Grid.from_world((1, 1, 1), device=grid.device)
+    return serial, data
+
+
 def step_times(grid: Grid, name: str, size: Sequence[int], overrides: Sequence[str], batch: int,
                trials: int, weak_size: Sequence[int] | None, overlap: bool | str) -> dict[str, Any]:
     """On a 2-rank world: serial (rank 0 alone, one thread), spatial 2, data 2, (weak
@@ -58,8 +67,7 @@ def step_times(grid: Grid, name: str, size: Sequence[int], overrides: Sequence[s
     running the plain model on a block-sized volume, no communication), in interleaved
     trials."""
     world = grid.world_group
-    serial_grid = Grid(spatial=(1, 1, 1), world_size=1, rank=0, device=grid.device)
-    data_grid = Grid.from_world((1, 1, 1))
+    serial_grid, data_grid = step_grids(grid)
     steppers = {
         "serial": Stepper(serial_grid, name, size, overrides, batch, active=grid.rank == 0),
         "spatial2": Stepper(grid, name, size, overrides, batch, overlap=overlap),
@@ -73,7 +81,7 @@ def step_times(grid: Grid, name: str, size: Sequence[int], overrides: Sequence[s
     # would take if halos, corrections and the gradient all-reduce cost nothing).
     block = [n // s for n, s in zip(size, grid.spatial)]
     steppers["floor2"] = Stepper(serial_grid, name, block, overrides, batch)
-    times = interleaved({k: s.step for k, s in steppers.items()}, trials, warmup=1, group=world)
+    times = interleaved({k: s.step for k, s in steppers.items()}, trials, warmup=1, group=world, device=grid.device)
     out: dict[str, Any] = {"seconds": {k: median(v) for k, v in times.items()},
                            "best_seconds": {k: min(v) for k, v in times.items()}}
     out["strong_ratio_spatial2"] = ratio(times["spatial2"], times["serial"])

@@ -15,7 +15,8 @@ def _barrier(group: object | None) -> None:
 
 
 def interleaved(variants: Mapping[str, Callable[[], object]], trials: int, warmup: int = 1,
-                group: object | None = None, cpu: bool = False) -> dict[str, list[float]]:
+                group: object | None = None, cpu: bool = False,
+                device: torch.device | None = None) -> dict[str, list[float]]:
     """Seconds of each variant per trial, variants run in turn within each trial.
 
     Under torch.distributed every rank runs the same schedule; a trial's time is the
@@ -23,8 +24,10 @@ def interleaved(variants: Mapping[str, Callable[[], object]], trials: int, warmu
     that returns a dict of phase seconds (``{"forward": s, "backward": s}``) also gets
     ``name.phase`` entries; ``cpu`` adds ``name.cpu``, the process's CPU seconds (all its
     threads): on a loaded machine a steadier figure of the work done, though it leaves
-    out time spent waiting for messages.
+    out time spent waiting for messages. The trial times are reduced on ``device``
+    (default: the group's, ``comm.group_device``): NCCL takes only tensors on the GPU.
     """
+    device = comm.group_device(group) if device is None else device
     for _ in range(warmup):
         for fn in variants.values():
             _barrier(group)
@@ -47,7 +50,7 @@ def interleaved(variants: Mapping[str, Callable[[], object]], trials: int, warmu
                 for phase, secs in sorted(phases.items()):
                     keys.append(f"{name}.{phase}")
                     row.append(float(secs))
-        secs = torch.tensor(row, dtype=torch.float64)
+        secs = torch.tensor(row, dtype=torch.float64, device=device)
         comm.all_reduce_(secs, group, "max", caller="bench.timing.interleaved")
         for key, s in zip(keys, secs.tolist()):
             times.setdefault(key, []).append(s)

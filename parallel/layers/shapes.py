@@ -3,7 +3,8 @@
 A rank sees only its block, and a block size alone does not tell the global size (19
 split 3 ways gives 7, 6, 6; 18 gives 6, 6, 6). The ranks of a spatial group therefore
 exchange their block sizes once per layer call and per global input shape of the whole
-model, and cache the answer. The cache key (the model's global input shape and the
+model, and cache the answer; the model input's global shape is exchanged per forward,
+or declared by the caller (``ShapeTracker.fixed``: the training loop's steps). The cache key (the model's global input shape and the
 layer's call count in this forward) is the same on every rank, so all ranks hit or miss
 the cache together and nobody waits on a collective that others skip.
 """
@@ -11,7 +12,7 @@ the cache together and nobody waits on a collective that others skip.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
@@ -57,8 +58,55 @@ def infer_global_dims(x: torch.Tensor, grid: Grid, where: str) -> tuple[int, int
     return tuple(dims)  # type: ignore[return-value]
 
 
+def block_dims(volume: Sequence[int], grid: Grid) -> tuple[int, int, int]:
+    """This rank's block size of a global (D, H, W) ``volume``."""
+    return tuple(b - a for a, b in grid.block_range(tuple(int(v) for v in volume)))  # type: ignore[return-value]
+
+
+# Volumes declared by ``fixed_volume`` for the grids whose steps run inside it (keyed by the
+# grid object's id; set and restored by the context manager, like torch's autocast state).
+_DECLARED: dict[int, tuple[tuple[int, ...], tuple[int, int, int]]] = {}
+
+
+@contextlib.contextmanager
+def fixed_volume(grid: Grid, volume: Sequence[int]) -> Iterator[None]:
+    """Inside: every input block on ``grid`` (a model input, a batch to augment) is a block
+    of the global (D, H, W) ``volume``, so ``input_volume`` needs no all-gather. The
+    training loop declares its batches' volume (a crop, or cases of one shape)."""
+    key, outer = id(grid), _DECLARED.get(id(grid))
+    dims = tuple(int(v) for v in volume)
+    _DECLARED[key] = (dims, block_dims(dims, grid))
+    try:
+        yield
+    finally:
+        if outer is None:
+            _DECLARED.pop(key, None)
+        else:
+            _DECLARED[key] = outer
+
+
+def input_volume(x: torch.Tensor, grid: Grid, where: str) -> tuple[int, int, int]:
+    """The global (D, H, W) of the input whose block on this rank is ``x``: the declared
+    volume (``fixed_volume``; checked against this rank's block, no communication), else
+    ``infer_global_dims`` (collective over the spatial group)."""
+    declared = _DECLARED.get(id(grid))
+    if declared is None or grid.spatial_size == 1:
+        return infer_global_dims(x, grid, where)
+    dims, block = declared
+    local = tuple(int(s) for s in x.shape[2:])
+    if x.dim() != 5 or local != block:
+        raise SplitError(f"{where}: block of shape {tuple(x.shape)} where the declared volume {list(dims)} "
+                         f"split {list(grid.spatial)} ways gives this rank {list(block)}")
+    return dims  # type: ignore[return-value]
+
+
 class ShapeTracker:
-    """Caches each spatial layer's global input size, per model input shape and call."""
+    """Caches each spatial layer's global input size, per model input shape and call.
+
+    The model input's own global size is inferred (one all-gather) per forward, unless
+    the caller declares it (``fixed``): the training loop knows the volume of every
+    training batch, so its steps run with no collective for shapes at all.
+    """
 
     def __init__(self, grid: Grid, max_entries: int = 4096) -> None:
         self.grid = grid
@@ -66,6 +114,14 @@ class ShapeTracker:
         self._key: tuple[int, ...] | None = None
         self._calls: dict[int, int] = {}
         self._cache: dict[tuple, tuple[int, int, int]] = {}
+
+    def fixed(self, volume: Sequence[int]) -> contextlib.AbstractContextManager:
+        """Inside: every model input has the global (D, H, W) ``volume`` (``fixed_volume``)."""
+        return fixed_volume(self.grid, volume)
+
+    def input_dims(self, x: torch.Tensor, where: str) -> tuple[int, int, int]:
+        """The global (D, H, W) of the model input whose block is ``x`` (``input_volume``)."""
+        return input_volume(x, self.grid, where)
 
     @contextlib.contextmanager
     def forward(self, key: tuple[int, ...] | None) -> Iterator[None]:

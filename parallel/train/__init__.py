@@ -17,7 +17,8 @@ Split by concern, one idea a module:
   (the trainer's run), ``step`` (one step and its non-finite guard), ``gradnorm`` (the
   whole model's gradient norm, from which every rank takes the same decisions),
   ``scaler`` (fp16 loss scaling decided from that norm), ``data`` (readers and batches),
-  ``optim`` (optimiser and schedule), ``evaluate``;
+  ``prefetch`` (batches copied to the GPU a step ahead), ``optim`` (optimiser and
+  schedule), ``evaluate``;
 - what a run keeps and tells: ``state`` (what a checkpoint holds), ``checkpoint``
   (files), ``rng`` (the RNG streams' layout in a checkpoint), ``report``
   (metrics.jsonl, TensorBoard, summary), ``mlperf`` (the MLPerf log), ``sweep`` (Hydra

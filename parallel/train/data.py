@@ -9,6 +9,7 @@ The loaders yield ``(Batch, StepStats)``: the batch's fields and, when
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from parallel.infer.windows import WindowCrop
 from parallel.train.checks import SampleFacts, train_volume, window
 from parallel.train.config import JobConfig
 from parallel.train.family import Family
+from parallel.train.prefetch import AheadCopies, copies_ahead
 
 log = logging.getLogger("parallel.train")
 
@@ -98,10 +100,13 @@ class CheckedDataset(BlockDataset):
 
 
 class Batches:
-    """A loader's steps as ``(Batch, StepStats)`` (the loader itself yields plain dicts)."""
+    """A loader's steps as ``(Batch, StepStats)`` (the loader itself yields plain dicts).
+    ``ahead``: a CUDA device the batches are copied to one step ahead, on a side stream
+    from pinned memory (``parallel.train.prefetch``); None: the loader's tensors as they are."""
 
-    def __init__(self, loader: Any) -> None:
+    def __init__(self, loader: Any, ahead: torch.device | None = None) -> None:
         self.loader = loader
+        self.ahead = ahead
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -110,7 +115,8 @@ class Batches:
         self.loader.set_epoch(epoch, start_step)
 
     def __iter__(self) -> Iterator[tuple[Batch, StepStats]]:
-        for fields, stats in self.loader:
+        source = AheadCopies(self.loader, self.ahead) if self.ahead is not None else self.loader
+        for fields, stats in source:
             finite = fields.pop(CheckedDataset._FLAG, None)
             fields.pop(REGION_KEY, None)  # where a crop was taken: the reader's business, not the step's
             yield Batch(fields, finite), stats
@@ -127,6 +133,17 @@ class JobData:
     volume: tuple[int, int, int]
     """What the network trains on: the crop, or the cases' volume."""
     staging_seconds: float = 0.0
+    fixed_volume: tuple[int, int, int] | None = None
+    """The global (D, H, W) of every training batch (a crop, or cases of one shape); None
+    where cases of several shapes are trained whole (one per data group and step)."""
+
+
+def fixed_shapes(pmodel: Any, data: JobData) -> contextlib.AbstractContextManager:
+    """Where every training batch has one volume, the training steps' forwards take their
+    global shape from it: no all-gather of block sizes per forward and micro-batch."""
+    if data.fixed_volume is None or not hasattr(pmodel, "fixed_input"):
+        return contextlib.nullcontext()
+    return pmodel.fixed_input(data.fixed_volume)
 
 
 def split_dir(cfg: JobConfig, split: str, family: Family) -> Path:
@@ -149,9 +166,11 @@ def _count(n: int, limit: int, key: str, path: Path) -> int:
     return min(n, limit) if limit else n
 
 
-def _loader(ds: BlockDataset, sampler: Any, cfg: JobConfig, grid: Grid, seed: int) -> Any:
+def _loader(ds: BlockDataset, sampler: Any, cfg: JobConfig, grid: Grid, seed: int, ahead: bool = False) -> Any:
+    """``ahead``: leave the batches in (pinned) host memory; ``Batches`` copies them to the
+    GPU one step ahead (``parallel.train.prefetch``)."""
     loader = make_loader(ds, sampler, num_workers=cfg.data.workers,
-                         prefetch_factor=max(cfg.data.prefetch, 1), device=grid.device,
+                         prefetch_factor=max(cfg.data.prefetch, 1), device=None if ahead else grid.device,
                          persistent_workers=cfg.data.workers > 0, seed=seed)
     # seed: a private generator for the workers' base seed keeps the global RNG (plain
     # dropout) independent of data loading, so a resumed run draws the same dropout masks.
@@ -207,11 +226,15 @@ def build_data(cfg: JobConfig, family: Family, grid: Grid, facts: SampleFacts) -
                                          shuffle=True, drop_last=True)
     # evaluation: contiguous shares of the cases per data group, as the reference deals them;
     # one case per step where they differ in shape or the sliding window takes them one by one
+    ahead = copies_ahead(grid.device)  # training batches: copied ahead on a side stream (CUDA)
     eval_batch = cfg.train.eval_batch_size or g
     one_by_one = sliding or len({shape for _, shape in facts.val_shapes}) > 1
     val_sampler = ShardSampler(n_val, grid, per_step=1 if one_by_one else max(eval_batch // grid.data_size, 1))
     return JobData(
-        train=Batches(_loader(train_ds, train_sampler, cfg, grid, cfg.train.seed + 1)),
+        train=Batches(_loader(train_ds, train_sampler, cfg, grid, cfg.train.seed + 1, ahead),
+                      grid.device if ahead else None),
         val=Batches(_loader(val_ds, val_sampler, cfg, grid, cfg.train.seed + 2)),
         n_train=n_train, n_val=n_val, volume=train_volume(cfg, facts.volume), staging_seconds=staging,
+        fixed_volume=train_volume(cfg, facts.volume) if cfg.data.crop is not None
+        or len({tuple(shape) for _, shape in facts.train_shapes}) <= 1 else None,
     )

@@ -23,15 +23,17 @@ from mlperf_logging.mllog import constants as C
 import parallel
 from parallel.grid import Grid
 from parallel.infer import evaluation_due
+from parallel.random_draws import stream_seed
 from parallel.train import checkpoint, rng, stopsignal
 from parallel.train.checks import InputError, JobChecks
 from parallel.train.config import JobConfig
-from parallel.train.data import build_data
+from parallel.train.data import build_data, fixed_shapes
 from parallel.train.evaluate import evaluate
 from parallel.train.family import Family
 from parallel.train.mlperf import log_submission, open_log
 from parallel.train.optim import Schedule, build_optimizer
-from parallel.train.report import Reporter, format_summary, gather_per_rank, peak_memory_bytes, summarize
+from parallel.train.report import (Reporter, format_summary, gather_per_rank, peak_memory_bytes, peak_reserved_bytes,
+                                   reset_peak_memory, summarize)
 from parallel.train.scaler import LossScaler
 from parallel.train.state import TrainState, plain_config
 from parallel.train.step import NonFiniteGuard, TrainStep
@@ -88,7 +90,10 @@ class Trainer:
             self.model, grid, seed=cfg.train.seed, overlap_halo=cfg.parallel.overlap_halo,
             recompute=cfg.train.activation_checkpointing, input_shape=(facts.channels, *self.data.volume),
             shard_linear=str(cfg.optim.name) != "kfac"), grid)
-        torch.manual_seed(cfg.train.seed + 7919 * (grid.rank + 1))  # per-rank dropout stream
+        reset_peak_memory(grid.device)  # the summary's peaks are training's, not the float64 verification's
+        # one global stream per data group, alike on the ranks of a spatial group (the serial run's for
+        # data group 0): random draws in a network's forward (stochastic depth) equal the serial run's
+        torch.manual_seed(stream_seed(cfg.train.seed, grid.data_rank))
         scaler = LossScaler() if cfg.train.precision == "fp16" else None  # its decisions from the global norm
         # weight decay only where the family's reference applies it (one group when there is none to apply)
         chosen = family.decayed is not None and not cfg.optim.decay_all and cfg.optim.weight_decay > 0
@@ -165,7 +170,8 @@ class Trainer:
             self.ml.start(C.EPOCH_START, epoch_num=p.epoch + 1)
             t_epoch = time.perf_counter()
             for batch, stats in self.data.train:
-                loss_sum += self.train_step(batch)
+                with fixed_shapes(self.pmodel, self.data):  # no per-forward all-gather of block sizes
+                    loss_sum += self.train_step(batch)
                 loss_n += 1
                 n_log += 1
                 p.step += 1
@@ -264,7 +270,7 @@ class Trainer:
         io = self.progress.io
         b0, w0, s0 = getattr(self, "_io0", (0, 0.0, 0))  # this session's reading only
         return gather_per_rank([peak_memory_bytes(self.grid.device), io.bytes_read - b0, io.wait_seconds - w0,
-                                io.samples - s0], self.grid)
+                                io.samples - s0, peak_reserved_bytes(self.grid.device)], self.grid)
 
 
 def _data_mean(x: torch.Tensor, grid: Grid) -> float:

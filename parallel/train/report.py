@@ -23,7 +23,7 @@ from parallel.train.config import RunConfig
 
 log = logging.getLogger("parallel.train")
 
-PER_RANK = ("peak_memory_bytes", "bytes_read", "data_wait_seconds", "samples_read")
+PER_RANK = ("peak_memory_bytes", "bytes_read", "data_wait_seconds", "samples_read", "peak_reserved_bytes")
 
 
 class _BarAwareHandler(logging.StreamHandler):
@@ -61,6 +61,31 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return peak_rss_bytes()
+
+
+def peak_reserved_bytes(device: torch.device) -> int:
+    """Peak memory the process held, beside the live tensors' peak: CUDA's caching
+    allocator reserves more than it hands out (fragmentation, cached blocks), and that is
+    what an out-of-memory error counts; on the CPU the resident peak (as above)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_reserved(device))
+    return peak_memory_bytes(device)
+
+
+def reset_peak_memory(device: torch.device) -> bool:
+    """Start the peaks afresh (after the start-up checks: the float64 verification's copies
+    of the model are not training's memory). CUDA: the allocator's peak statistics; CPU:
+    VmHWM back to the resident size (``5`` into ``/proc/self/clear_refs``). False where
+    the system does not allow it (the peak then includes the start-up)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def gather_per_rank(values: list[float], grid: Grid) -> torch.Tensor:
@@ -156,6 +181,8 @@ def summarize(grid: Grid, values: dict[str, Any], per_rank: torch.Tensor, sample
     """The final summary: time to target, throughput, per-rank memory and bytes per sample."""
     out = dict(values)
     out["peak_memory_bytes_per_rank"] = [int(v) for v in per_rank[:, 0].tolist()]
+    if per_rank.shape[1] > 4:
+        out["peak_reserved_bytes_per_rank"] = [int(v) for v in per_rank[:, 4].tolist()]
     read = per_rank[:, 1]
     samples = per_rank[:, 3].clamp(min=1)
     out["bytes_read_per_rank"] = [int(v) for v in read.tolist()]
@@ -182,7 +209,9 @@ def format_summary(s: dict[str, Any]) -> str:
         + (f", time to target {ttt:.1f} s" if ttt is not None else ", target not reached"),
         f"this session: {sess.get('steps', s['steps'])} steps, {sess.get('samples', 0)} samples; train throughput "
         f"{s['samples_per_s']:.2f} samples/s, run time {s['run_seconds']:.1f} s",
-        f"peak memory per rank (MiB): {', '.join(mib)}",
+        f"peak memory per rank (MiB): {', '.join(mib)} allocated"
+        + (f"; {', '.join(f'{v / 2**20:.0f}' for v in s['peak_reserved_bytes_per_rank'])} reserved"
+           if s.get("peak_reserved_bytes_per_rank") else ""),
         f"bytes read per rank per sample (KiB): {', '.join(per_sample)}",
     ]
     if s.get("run_dir"):

@@ -62,7 +62,7 @@ def set_rng_state(state: torch.Tensor, model: nn.Module | None = None) -> None:
 
 def restore_rng(ckpt: dict[str, Any], grid: Grid, seed: int, model: nn.Module | None = None) -> bool:
     """Restore this rank's RNG streams if the world, the split and the streams' layout
-    match; else reseed deterministically (from ``seed``, the step and the rank) with a
+    match; else reseed deterministically (from ``seed``, the step and the data group) with a
     warning. True if restored."""
     rng = ckpt.get("rng") or {}
     same = rng.get("world_size") == grid.world_size and list(rng.get("spatial", [])) == list(grid.spatial)
@@ -77,5 +77,6 @@ def restore_rng(ckpt: dict[str, Any], grid: Grid, seed: int, model: nn.Module | 
         log.warning("checkpoint RNG streams are from a world of %s ranks split %s, this is %s split %s: "
                     "dropout is reseeded, so the run continues correctly but not bit for bit",
                     rng.get("world_size"), rng.get("spatial"), grid.world_size, list(grid.spatial))
-    torch.manual_seed(seed + 7919 * (int(ckpt.get("step", 0)) + 1) + grid.rank)
+    # alike on the ranks of a spatial group (parallel.random_draws): batch-shaped draws stay the serial run's
+    torch.manual_seed(seed + 7919 * (int(ckpt.get("step", 0)) + 1) + grid.data_rank)
     return False

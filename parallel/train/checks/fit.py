@@ -34,6 +34,7 @@ import torch
 from parallel.grid import Grid
 from parallel.partition import DIM_NAMES, SplitError, block_bounds
 from parallel.plan.trace import Layer, trace
+from parallel.random_draws import check_model as check_random_draws
 from parallel.train.checks.config import Shape, train_volume, window
 from parallel.train.checks.errors import InputError, quote_problems
 from parallel.train.config import JobConfig
@@ -119,6 +120,7 @@ def check_model(family: Family, model_cfg: Any, volume: Sequence[int], channels:
     layers = meta_trace(family, model_cfg, volume, channels, local_batch, model=model)
     if layers is None or grid.spatial_size == 1:
         return
+    check_random_draws(model, (channels, *volume), grid.spatial, InputError)  # noise shaped like the split volume
     for layer in layers:
         if layer.replicated or len(layer.in_shape) != 4 or len(layer.out_shape) != 4:
             continue  # after a global pool every rank holds the whole tensor
