@@ -6,9 +6,12 @@ Before, every forward and micro-batch all-gathered the input's block sizes (and 
 with ``.tolist()``), and the U-Net augmentation all-gathered its data groups' row counts
 every step. Now the loop declares its batches' volume (``fixed_volume``), the layers'
 shape cache fills on the first step, and the augmentation takes its offsets from the
-equal split. The one host read left in the step is the non-finite check's
-(``NonFiniteGuard.finite_step``, being fused by the ``contract`` work on step.py); the
-U-Net augmentation reads its CPU-drawn random numbers once (host data on every device).
+equal split. The one host read left in the step is the update's (``gradnorm.read_host``:
+the global gradient norm and the loss in one transfer, from which every rank takes the
+same non-finite, skip, fp16 and clipping decisions); with a sharded Flatten+Linear weight
+its squared norm is summed over the spatial group first (one scalar all-reduce,
+``gradnorm.global_grad_norm``). The U-Net augmentation reads its CPU-drawn random numbers
+once (host data on every device).
 """
 
 from __future__ import annotations
@@ -31,11 +34,12 @@ FAMILIES = {
 # adjoints in the backward) and the gradient sync.
 ALLOWED = {
     "batch_isend_irecv": ("parallel.shell.", "parallel.halo."),
-    "all_reduce": ("parallel.gradsync.", "parallel.layers.norm.", "parallel.layers.linear.", "parallel.comm.autograd."),
+    "all_reduce": ("parallel.gradsync.", "parallel.layers.norm.", "parallel.layers.linear.", "parallel.comm.autograd.",
+                   "parallel.train.gradnorm.global_grad_norm"),  # a sharded weight's squared norm, one scalar
 }
 READS_ALLOWED = {
-    "parallel.train.step.finite_step": 2,  # bool(isfinite(norm)), bool(isfinite(loss)): the contract helper's
-    "unet3d.family.augment": 2,            # .tolist() of the CPU generator's draws and keys
+    "parallel.train.gradnorm.read_host": 1,  # the global norm and the loss, one transfer per step
+    "unet3d.family.augment": 2,              # .tolist() of the CPU generator's draws and keys
 }
 
 
