@@ -18,7 +18,7 @@ import pytest
 
 from train_helpers import launch, max_rel_diff, prepare, weights
 
-# float32 sums in another order over a few SGD steps (see test_train_equivalence); SGD, since
+# float32 sums in another order over a few SGD steps (float64 runs: tests/test_contract_matrix.py); SGD, since
 # AdamW's normalisation amplifies that rounding (3e-4 relative after 10 AdamW steps, no resume)
 RTOL = 1e-4
 ARGS = ["--config-name", "quickstart", "train.global_batch_size=4", "model.conv_filters=4", "model.n_conv_blocks=2",

@@ -23,7 +23,7 @@ import pytest
 
 from train_helpers import env, launch, max_rel_diff, pool, weights
 
-RTOL = 1e-4  # float32 sums in another order over 4 SGD steps (tests/test_train_equivalence.py)
+RTOL = 1e-4  # float32 sums in another order over 4 SGD steps (float64 runs: tests/test_contract_matrix.py)
 CROP = 16
 TRAIN_SHAPES = [(40, 36, 44), (34, 48, 38), (46, 40, 35), (38, 44, 42)]  # all larger than the crop
 VAL_SHAPES = [(12, 26, 20), (44, 29, 37)]  # one smaller than the window along D (padded)
