@@ -76,15 +76,12 @@ def data(tmp_path_factory) -> dict[str, Path]:
 
 def _prepare_unet(out: Path) -> Path:
     """Cases of 20..28 voxels per side: 16^3 crops land in different places."""
-    import subprocess
-    import sys
-
-    from train_helpers import REPO, env
+    from train_helpers import python_m
 
     if not (out / "val" / "manifest.json").exists():
-        subprocess.run([sys.executable, "-m", "unet3d.prepare", "synthetic", "--out", str(out), "--size-range",
-                        "20,28", "--crop", "16", "--train", "8", "--val", "2", "--quiet", "--workers", "1"],
-                       check=True, env=env(), cwd=REPO, timeout=240, capture_output=True)
+        made = python_m("unet3d.prepare", ["synthetic", "--out", str(out), "--size-range", "20,28", "--crop", "16",
+                                           "--train", "8", "--val", "2", "--quiet", "--workers", "1"], timeout=240)
+        assert made.returncode == 0, made.stderr[-3000:]
     return out
 
 
