@@ -45,6 +45,7 @@ TIERS = {
     "test_data_reader": "unit",
     "test_data_sampler": "unit",
     "test_data_staging": "ranks",
+    "test_elastic": "launch",
     "test_fail_checkpoint": "launch",
     "test_fail_ranks": "launch",
     "test_fail_security": "unit",
