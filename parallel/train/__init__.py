@@ -15,7 +15,8 @@ Split by concern, one idea a module:
   ``rundir`` (the run-directory rule);
 - the run: ``lifecycle`` (the process: start, watchdog, failure, exit codes), ``loop``
   (the trainer's run), ``step`` (one step and its non-finite guard), ``data`` (readers
-  and batches), ``optim`` (optimiser and schedule), ``evaluate``;
+  and batches), ``optim`` (optimiser and schedule), ``evaluate``, ``elastic`` (a
+  restart under torchrun: re-grid, resume, one MLPerf log);
 - what a run keeps and tells: ``state`` (what a checkpoint holds), ``checkpoint``
   (files), ``rng`` (the RNG streams' layout in a checkpoint), ``report``
   (metrics.jsonl, TensorBoard, summary), ``mlperf`` (the MLPerf log), ``sweep`` (Hydra
