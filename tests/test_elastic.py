@@ -269,3 +269,22 @@ def test_the_background_writer_writes_a_copy_taken_at_the_save(tmp_path):
     assert float(checkpoint.load(path)["model"]["weight"][0, 0]) == 1.0
     costs = writer.costs()
     assert costs["written"] == 1 and costs["write_seconds"] > 0 and costs["background"]
+
+
+@pytest.mark.unit
+def test_a_restart_keeps_the_split_while_it_divides_the_world_else_chooses_as_auto(monkeypatch):
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(parallel=SimpleNamespace(spatial=[2, 1, 1]))
+    asked = []
+
+    def auto(world):
+        asked.append(world.world_size)
+        return [1, 1, 1]
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert elastic.spatial_choice(cfg, auto) == [2, 1, 1]  # a first start: the config as it is
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    choose = elastic.spatial_choice(cfg, auto)
+    assert list(choose(SimpleNamespace(world_size=2))) == [2, 1, 1] and asked == []
+    assert list(choose(SimpleNamespace(world_size=3))) == [1, 1, 1] and asked == [3]
