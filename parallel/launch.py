@@ -232,8 +232,9 @@ def _env_store(timeout: timedelta) -> Any:
     """The rendezvous store of a second or later process group under torchrun's variables,
     or of a group restarted by torchrun's agent (whose store outlives the workers, with
     the dead ones' addresses in it), under a prefix of its own
-    (``spatialcnn/restart<r>/start<k>``), so that no key of an earlier group is read. torchrun's agent serves the store for the whole run; without the agent
-    (variables set by hand) rank 0 serves a new one."""
+    (``spatialcnn/restart<r>/start<k>``), so that no key of an earlier group is read.
+    torchrun's agent serves the store for the whole run; without the agent (variables set
+    by hand) rank 0 serves a new one."""
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     rank = int(os.environ["RANK"])
     base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),

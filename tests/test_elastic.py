@@ -170,7 +170,7 @@ def test_a_node_dies_and_the_job_finishes_on_the_survivors(model, tmp_path_facto
     assert log.count('"key": "run_start"') == 1 and log.count('"key": "elastic_restart"') == 1
     usage = "training" if model == "unet3d" else "hpc"
     proc = subprocess.run([sys.executable, "-m", "mlperf_logging.compliance_checker", *CHECKER[usage],
-                           str(run / "mlperf.log")], capture_output=True, text=True, timeout=120, cwd=run)
+                           str(run / "mlperf.log")], capture_output=True, text=True, timeout=120, cwd=run, check=False)
     # A dozen steps of a tiny net cannot reach the quality target, the one check allowed to fail here
     problems = [line for line in (proc.stdout + proc.stderr).splitlines()
                 if line.startswith(("WARNING", "ERROR")) and not TARGET_CHECK.search(line) and line != "ERROR - FAILED"]
@@ -288,3 +288,15 @@ def test_a_restart_keeps_the_split_while_it_divides_the_world_else_chooses_as_au
     choose = elastic.spatial_choice(cfg, auto)
     assert list(choose(SimpleNamespace(world_size=2))) == [2, 1, 1] and asked == []
     assert list(choose(SimpleNamespace(world_size=3))) == [1, 1, 1] and asked == [3]
+
+
+def test_checkpoints_by_wall_time_on_every_rank_alike(tmp_path):
+    # rank 0's clock decides for both ranks (a broadcast): a save entered by one rank only would hang the job
+    data = prepare("cosmoflow", tmp_path / "data", 16, 16, 4)
+    run = tmp_path / "run"
+    args = [*COMMON, *MODELS["cosmoflow"]["args"], f"data.dir={data}", "train.eval_at_end=false",
+            "run.checkpoint_every=0", "run.checkpoint_every_s=1e-6", "train.max_steps=3", f"run.dir={run}"]
+    launch("cosmoflow", 2, args, timeout=180)
+    costs = json.loads((run / "summary.json").read_text())["checkpoints"]
+    assert costs["written"] == 4 and costs["background"], costs  # one per step, and the end's
+    assert costs["step_seconds"] > 0 and costs["write_seconds"] > 0
