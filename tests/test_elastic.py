@@ -300,3 +300,29 @@ def test_checkpoints_by_wall_time_on_every_rank_alike(tmp_path):
     costs = json.loads((run / "summary.json").read_text())["checkpoints"]
     assert costs["written"] == 4 and costs["background"], costs  # one per step, and the end's
     assert costs["step_seconds"] > 0 and costs["write_seconds"] > 0
+
+
+@pytest.mark.unit
+def test_regrid_records_each_session_and_refuses_what_cannot_continue(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    def job(accum: int = 1):
+        return SimpleNamespace(run=SimpleNamespace(dir=str(tmp_path)),
+                               train=SimpleNamespace(global_batch_size=4, accum_steps=accum))
+
+    def grid(world: int, data: int):  # rank 0 of a world that needs no collective to agree
+        return SimpleNamespace(launcher="torchrun", rank=0, world_size=1, data_size=data, spatial=(world // data, 1, 1))
+
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    cfg = job()
+    assert elastic.regrid(cfg, grid(4, 2)).micro_batch == 2 and cfg.train.accum_steps == 1
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    cfg = job()
+    state = elastic.regrid(cfg, grid(2, 1))
+    assert cfg.train.accum_steps == 2 and [s.data for s in state.sessions] == [2, 1]
+    assert state.event(6)["from"]["data"] == 2 and state.event(6)["step"] == 6
+    with pytest.raises(elastic.ElasticError, match=r"global_batch_size=4 cannot be split over 3 data groups"):
+        elastic.regrid(job(), grid(3, 3))
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")  # not elastic: nothing recorded
+    assert elastic.regrid(job(), grid(2, 1)) is None
