@@ -206,9 +206,9 @@ def init(spatial: Sequence[int] | Callable[[Any], Sequence[int]] = (1, 1, 1), *,
     timeout = timedelta(seconds=process_group_timeout(backend, timeout_s))
     store: tuple[str, int] | None = None
     if launcher == "torchrun":
-        if _STARTS[0] == 0:
+        if _STARTS[0] == 0 and _restart() == 0:
             dist.init_process_group(backend, init_method="env://", timeout=timeout)
-        else:  # a later job of a sweep: torchrun's store still holds the first group's keys
+        else:  # a later job of a sweep, or a restart by torchrun's agent: its store still holds earlier groups' keys
             dist.init_process_group(backend, store=_env_store(timeout), rank=int(os.environ["RANK"]),
                                     world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
         store = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
@@ -276,14 +276,22 @@ def init(spatial: Sequence[int] | Callable[[Any], Sequence[int]] = (1, 1, 1), *,
 
 def _env_store(timeout: timedelta) -> Any:
     """The rendezvous store of a second or later process group under torchrun's variables,
-    under a prefix of its own (``spatialcnn/start<k>``), so that no key of an earlier
-    group is read. torchrun's agent serves the store for the whole run; without the agent
-    (variables set by hand) rank 0 serves a new one."""
+    or of a group restarted by torchrun's agent (whose store outlives the workers, with
+    the dead ones' addresses in it), under a prefix of its own
+    (``spatialcnn/restart<r>/start<k>``), so that no key of an earlier group is read.
+    torchrun's agent serves the store for the whole run; without the agent (variables set
+    by hand) rank 0 serves a new one."""
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     rank = int(os.environ["RANK"])
     base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
                          is_master=(rank == 0 and not agent), timeout=timeout, wait_for_workers=False)
-    return dist.PrefixStore(f"spatialcnn/start{_STARTS[0]}", base)
+    return dist.PrefixStore(f"spatialcnn/restart{_restart()}/start{_STARTS[0]}", base)
+
+
+def _restart() -> int:
+    """torchrun's ``TORCHELASTIC_RESTART_COUNT`` (0 at the first start and without torchrun)."""
+    value = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return int(value) if value.isdigit() else 0
 
 
 def _decided_on_rank0(decide: Callable[[], Sequence[int]], group: Any) -> tuple[int, int, int]:

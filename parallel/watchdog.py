@@ -109,6 +109,9 @@ class Watchdog:
         self.monitor = launcher == "mpi" if monitor is None else monitor
         tag = re.sub(r"[^A-Za-z0-9]+", "-", f"{address[0]}-{address[1]}-{namespace}")
         self.notes = os.path.join(tempfile.gettempdir(), f"spatialcnn-exits-{tag}")
+        self.before_exit: Any = None
+        """Called (bounded by the caller) before this process ends the job: the training
+        loop finishes a checkpoint write in flight, so a restart loses no finished copy."""
 
     # -- setup -------------------------------------------------------------------------
     def _connect(self) -> Any:
@@ -196,6 +199,7 @@ class Watchdog:
                     self._failing = True
                     self.note_exit("failed")
                     time.sleep(self.interval_s)  # this rank is raising the same error: let it report
+                    self._before_exit()
                     _exit("", code)
                 self._die(message)
 
@@ -285,13 +289,22 @@ class Watchdog:
         # Let the peers' watchdogs read the record before this rank (maybe the store's
         # host) goes away.
         time.sleep(min(2 * self.interval_s, 2.0))
+        self._before_exit()
         _exit(self.launcher if plan.abort else "", plan.code)
 
     def _die(self, message: str) -> NoReturn:
         self._failing = True
         self.note_exit("stopping")
         log.error("%s", message)
+        self._before_exit()
         _exit(self.launcher, EXIT_CODE)
+
+    def _before_exit(self) -> None:
+        if self.before_exit is not None:
+            try:
+                self.before_exit()
+            except Exception as err:  # noqa: BLE001 - the exit must happen
+                log.warning("rank %d: before exiting: %s", self.rank, err)
 
 
 def _exit(launcher: str, code: int) -> NoReturn:

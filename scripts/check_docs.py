@@ -104,6 +104,8 @@ RULES = [
          sub=((r"\.\.\.", "data.dir=data/cosmo32"),), append=COSMO_SMALL),
     Rule(r"^python -m cosmoflow\.train --config-name quickstart","all", "2 steps", append=QUICK),
     Rule(r"^python -m cosmoflow\.train ", "ci", "2 steps of a 4-filter network", append=COSMO_SMALL),
+    Rule(r"^torchrun --nnodes=2:4 ", "skip", "an elastic job of 2-4 nodes; tests/test_elastic.py runs 2 agents here"),
+    Rule(r"elastic_slurm\.sh", "ci", "DRY_RUN=1: prints the srun step"),
     Rule(r"torchrun .*-m cosmoflow\.train --config-name quickstart", "all", "2 steps", append=QUICK),
     Rule(r"torchrun .*-m cosmoflow\.train ", "all", "2 steps of a 4-filter network", append=COSMO_SMALL),
     Rule(r"-m unet3d\.train .*model\._target_=monai\.", "all", "2 steps of the MONAI network on 32^3 crops of data/kits",

@@ -58,6 +58,7 @@ TIERS = {
     "test_data_reader": "unit",
     "test_data_sampler": "unit",
     "test_data_staging": "ranks",
+    "test_elastic": "launch",
     "test_fail_checkpoint": "launch",
     "test_fail_ranks": "launch",
     "test_fail_security": "unit",
@@ -109,6 +110,7 @@ TIERS = {
 
 SLOW = {
     "test_cluster_scripts.py::test_documented_weak_scaling_submission",
+    "test_elastic.py::test_a_node_dies_and_the_job_finishes_on_the_survivors",
     "test_fail_checkpoint.py::test_kill_during_checkpoint_write_then_resume",
     "test_fail_ranks.py::test_kill_one_of_four_ranks_stops_the_job",
     "test_kfac_train.py::test_kfac_stopped_at_one_grid_resumes_at_another",

@@ -19,7 +19,8 @@ Split by concern, one idea a module:
   ``scaler`` (fp16 loss scaling decided from that norm), ``data`` (readers and batches),
   ``prefetch`` (batches copied to the GPU a step ahead), ``optim`` (optimiser and
   schedule), ``evaluate``, ``stopsignal`` (a signal such as Slurm's time-limit warning:
-  every rank checkpoints after the same step and stops);
+  every rank checkpoints after the same step and stops), ``elastic`` (a restart under
+  torchrun: re-grid, resume, one MLPerf log);
 - what a run keeps and tells: ``state`` (what a checkpoint holds), ``checkpoint``
   (files), ``rng`` (the RNG streams' layout in a checkpoint), ``report``
   (metrics.jsonl, TensorBoard, summary), ``mlperf`` (the MLPerf log), ``sweep`` (Hydra

@@ -318,6 +318,13 @@ class RunConfig:
     """Also write ``last.pt`` every this many steps (0: only at epoch ends and at the end)."""
     keep_checkpoints: int = 1
     """Checkpoints kept: ``last.pt`` and, when above 1, the newest N as ``step_<step>.pt``."""
+    # -- bounded loss of work (issue 26: parallel.train.checkpoint.Writer, docs/failures.md) --
+    checkpoint_every_s: float = 0.0
+    """Also write ``last.pt`` once this many seconds of wall time passed since the last one
+    (0: off); rank 0's clock decides for every rank. Bounds the work a dead node costs."""
+    checkpoint_background: bool = True
+    """Write checkpoints in a background thread from a CPU copy of the state taken at the
+    step boundary (training goes on during the write); false: the step waits for the write."""
     log_every: int = 10
     """Write a metrics.jsonl line and TensorBoard scalars every this many steps."""
     progress: bool = True

@@ -25,7 +25,7 @@ from parallel.data.reader import SampleReadError
 from parallel.grid import Grid
 from parallel.launch import RendezvousError, env_rank
 from parallel.partition import SplitError
-from parallel.train import checkpoint
+from parallel.train import checkpoint, elastic
 from parallel.train.checks import ConfigError, InputError, JobChecks, is_auto
 from parallel.train.config import JobConfig
 from parallel.train.family import Family
@@ -65,6 +65,7 @@ def train(cfg: JobConfig, family: Family, config_text: str | None = None) -> dic
         if env_rank() == 0:  # every rank finds the same: one message
             log.error("bad config: %s", err)
         raise SystemExit(EXIT_USER) from err
+    elastic.prepare(cfg)  # elastic restart (torchrun): resume from run.dir's last checkpoint on its own
 
     def decide(world: Any) -> list[int]:  # rank 0, once the process group runs; facts are not read again
         from parallel.train.autosplit import auto_spatial
@@ -73,7 +74,7 @@ def train(cfg: JobConfig, family: Family, config_text: str | None = None) -> dic
         return auto_spatial(cfg, family, facts, world_size=world.world_size, local_size=world.max_ranks_per_node)
 
     try:
-        spatial: Any = decide if auto else cfg.parallel.spatial
+        spatial: Any = elastic.spatial_choice(cfg, decide)  # the config's; at a restart, re-chosen if it no longer fits
         grid = parallel.init(spatial, backend=cfg.parallel.backend, timeout_s=cfg.parallel.timeout_s,
                              tf32=cfg.train.tf32)
         if auto:
@@ -91,9 +92,13 @@ def train(cfg: JobConfig, family: Family, config_text: str | None = None) -> dic
     try:
         setup_logging(cfg.run, grid.rank)
         save_config = _settle_run_dir(cfg, grid, config_text)
+        regrid = elastic.regrid(cfg, grid)  # torchrun: accumulation for this world, run.dir/elastic.json
         watchdog = _start_watchdog(cfg, grid)
         _set_threads(grid)
-        summary = Trainer(cfg, family, grid, checks, on_start=save_config).fit()
+        trainer = Trainer(cfg, family, grid, checks, on_start=save_config, regrid=regrid)
+        if watchdog is not None:  # a write in flight ends before a failure ends the process (bounded)
+            watchdog.before_exit = lambda: trainer.writer.drain(min(60.0, cfg.parallel.timeout_s))
+        summary = trainer.fit()
     except BaseException as exc:  # noqa: BLE001 - every failure ends the job, loudly
         _fail(exc, grid, watchdog)
     if watchdog is not None:

@@ -24,7 +24,7 @@ import parallel
 from parallel.grid import Grid
 from parallel.infer import evaluation_due
 from parallel.random_draws import stream_seed
-from parallel.train import checkpoint, rng, stopsignal
+from parallel.train import checkpoint, elastic, rng, stopsignal
 from parallel.train.checks import InputError, JobChecks
 from parallel.train.config import JobConfig
 from parallel.train.data import build_data, fixed_shapes
@@ -45,11 +45,13 @@ class Trainer:
     """One job's state; ``fit`` runs it to the end (epochs, max_steps or target)."""
 
     def __init__(self, cfg: JobConfig, family: Family, grid: Grid,
-                 checks: JobChecks | None = None, on_start: Callable[[], None] | None = None) -> None:
+                 checks: JobChecks | None = None, on_start: Callable[[], None] | None = None,
+                 regrid: elastic.Regrid | None = None) -> None:
         """``checks``: the job's checks, validated (``lifecycle.train``; None: validated here);
         the trainer runs the rest of the pass: samples -> fit here, verify once the model is
         built. ``on_start``: called (every rank) once the checks passed and a resume is
-        known to proceed, before any file of the run is written, moved or cut."""
+        known to proceed, before any file of the run is written, moved or cut. ``regrid``:
+        this session's grid in an elastic run (``parallel.train.elastic``)."""
         self.cfg, self.family, self.grid = cfg, family, grid
         self.stop = stopsignal.arm(cfg.run.stop_signal, grid)  # first: the signal may come during start-up
         run_dir = Path(cfg.run.dir)
@@ -74,7 +76,11 @@ class Trainer:
         if grid.rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
         comm.barrier(grid.world_group, caller="Trainer: run.dir ready")
-        self.ml = open_log(cfg, grid, family.name)
+        # -- elastic restart: the run's MLPerf log goes on in the same file (parallel.train.elastic) --
+        if elastic.continues_log(cfg, self.resuming):
+            self.ml: Any = elastic.open_continued_log(cfg, grid, regrid, lambda: self.progress.step)
+        else:
+            self.ml = open_log(cfg, grid, family.name)
         log_submission(self.ml, cfg, grid, family.name, n_nodes=grid.node_count)
         self.ml.start(C.STAGING_START)
         self.data = build_data(cfg, family, grid, facts)
@@ -109,6 +115,9 @@ class Trainer:
         self.state = TrainState(self.model, self.optimizer, scaler, self.steps_per_epoch, meta)
         self.progress = self.state.progress
         self.saved_step: int | None = None
+        # -- checkpoints by steps or wall time, written in the background (parallel.train.checkpoint.Writer) --
+        self.writer = checkpoint.Writer(background=cfg.run.checkpoint_background)
+        self._saved_t = time.perf_counter()
         self._run_s_before = 0.0  # run seconds of earlier sessions (a resumed run)
         if self.resuming:
             self._resume()
@@ -135,12 +144,21 @@ class Trainer:
 
     def save(self, run_s: float) -> None:
         self.progress.run_s = run_s
-        checkpoint.save(self.ckpt_path, self.grid, self.state.state_dict(self.grid), self.model,
-                        keep=self.cfg.run.keep_checkpoints)
+        self.writer.save(self.ckpt_path, self.grid, self.state.state_dict(self.grid), self.model,
+                         keep=self.cfg.run.keep_checkpoints)
         self.saved_step = self.progress.step
+        self._saved_t = time.perf_counter()
+
+    def _checkpoint_due(self, step: int) -> bool:
+        """``run.checkpoint_every`` steps, or ``run.checkpoint_every_s`` seconds (rank 0's clock), passed."""
+        run = self.cfg.run
+        if run.checkpoint_every and step % run.checkpoint_every == 0:
+            return True
+        return run.checkpoint_every_s > 0 and checkpoint.wall_due(self.grid, self._saved_t, run.checkpoint_every_s)
 
     def _last_good(self) -> str:
         """Which checkpoint a run stopped for non-finite numbers can resume from."""
+        self.writer.wait()  # the one being written is complete before it is named
         return (f"the last good checkpoint is {self.ckpt_path} (step {self.saved_step})"
                 if self.saved_step is not None else "no checkpoint was written yet")
 
@@ -188,7 +206,7 @@ class Trainer:
                     rep.progress(p.step, {"loss": mean_loss, "lr": self.train_step.lr,
                                              fam.metric_name: p.best if p.best is not None else "-"})
                     loss_sum, loss_n, t_log, n_log = torch.zeros((), device=grid.device), 0, time.perf_counter(), 0
-                if cfg.run.checkpoint_every and p.step % cfg.run.checkpoint_every == 0:
+                if self._checkpoint_due(p.step):
                     self.save(time.perf_counter() - t_run)
                 if self.stop is not None and p.step < total and self.stop.due():
                     self.save(time.perf_counter() - t_run)  # as a checkpoint_every save: a resume goes on from here
@@ -218,6 +236,7 @@ class Trainer:
                 self.save(time.perf_counter() - t_run)
         if status != "success" and p.best is not None and fam.reached(p.best, self.target):
             status = "success"
+        self.writer.finish(grid)  # the last checkpoint is on disk before the run counts as ended
         run_s = time.perf_counter() - t_run
         self.ml.end(C.RUN_STOP, status=status)  # MLPerf knows only success and aborted
         if status != "success":  # the summary says why the run ended
@@ -234,7 +253,7 @@ class Trainer:
             "best_metric": p.best, "target": self.target, "time_to_target_s": p.reached_s,
             "run_seconds": run_s - self._run_s_before, "run_seconds_all_sessions": run_s, "train_seconds": train_s,
             "samples_per_s": session["samples"] / train_s if train_s > 0 else 0.0, "session": session,
-            "run_dir": cfg.run.dir,
+            "run_dir": cfg.run.dir, "checkpoints": self.writer.costs(),
             "last_eval_step": last_eval_step, "skipped_steps": p.skipped_steps,
             "clipped_steps": self.train_step.clipped,  # this session's steps whose gradients were clipped
             "skipped_samples": int(round(_data_mean(torch.tensor(float(p.skipped_samples), device=grid.device), grid)
@@ -245,6 +264,10 @@ class Trainer:
             path = Path(cfg.run.dir) / "summary.json"
             path.write_text(json.dumps(summary, indent=1), encoding="utf-8")
         log.info("summary (%s):\n%s", Path(cfg.run.dir) / "summary.json", format_summary(summary))
+        c = self.writer.costs()
+        log.info("checkpoints: %d written (%s), %.3f s of the steps each (RNG gather, copy, wait for the previous "
+                 "write), %.3f s writing each", c["written"], "in the background" if c["background"] else "blocking",
+                 c["step_seconds_each"], c["write_seconds_each"])
         return summary
 
     def _evaluate(self, rep: Reporter, t_run: float) -> dict[str, Any]:

@@ -1,0 +1,328 @@
+"""A node dies; the job goes on by itself (issue 26, docs/failures.md "Elastic runs").
+
+Two torchrun agents of 2 ranks each (c10d rendezvous on localhost, ``--nnodes=1:2
+--max-restarts=1``) train; the second agent and its workers (a "node") are SIGKILLed in
+the middle of the run. The surviving agent restarts its workers, which re-grid (the data
+axis shrinks, accumulation keeps the global batch), resume from the last checkpoint on
+their own and finish: the final weights equal an uninterrupted run with the same global
+batch within float32 noise, the one MLPerf log passes the compliance checker, and the
+work lost is at most one checkpoint interval. The unit tests below pin the pure rules
+(accumulation, the restart's resume), and an asynchronous checkpoint killed mid-write
+leaves the previous one loadable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from parallel.launch import free_port
+from parallel.train import checkpoint, elastic
+from train_helpers import BIN, REPO, env, launch, max_rel_diff, prepare, weights
+
+# float32 sums in another order (another data size, accumulation) over a dozen SGD steps
+RTOL = 1e-4
+EVERY = 2  # run.checkpoint_every
+COMMON = ["--config-name", "quickstart", "train.global_batch_size=4", "train.seed=5", "optim.name=sgd",
+          "run.progress=false", "run.tensorboard=false", "run.log_rank=-3", "run.log_every=1",
+          "train.eval_every=0", "train.eval_at_end=true", "data.workers=0", "mlperf.division=open",
+          "parallel.heartbeat_s=0.25", f"run.checkpoint_every={EVERY}"]
+MODELS = {
+    # 16 samples, global batch 4: 4 steps an epoch; 3 epochs
+    "cosmoflow": dict(spatial="[1,1,1]", size=16, steps=12, kill_at=5, args=[
+        "model.conv_filters=4", "model.n_conv_blocks=2", "model.dense_sizes=[16]", "model.dropout=0.0",
+        "model.input_shift=3.8", "model.input_scale=2.0", "optim.lr=0.01", "train.epochs=3"]),
+    # spatial 2 on 4 ranks: data 2 -> 1 when a node goes; 2 epochs (InstanceNorm's biases drift past 1e-4 by 12 steps)
+    "unet3d": dict(spatial="[2,1,1]", size=16, steps=8, kill_at=3, args=[
+        "model.depth=2", "model.base_filters=4", "model.max_filters=8", "optim.lr=0.02", "data.crop=[16,16,16]",
+        "augment.flip_prob=0.0", "augment.brightness_prob=0.0", "augment.noise_prob=0.0", "train.epochs=2",
+        "mlperf.usage=training"]),
+}
+# the checker's quality-target rule (eval_error <= 0.124, eval_accuracy >= 0.908): the only failure a tiny run may have
+TARGET_CHECK = re.compile(r"Failed checks for (eval_error|eval_accuracy) : v\['value'\] [<>]=")
+CHECKER = {"hpc": ["--usage", "hpc", "--ruleset", "3.0.0"], "training": ["--usage", "training", "--ruleset", "4.0.0"]}
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as fh:
+                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def _kill_node(agent: subprocess.Popen) -> None:
+    """SIGKILL an agent and its workers (torchrun starts each worker in its own session)."""
+    for child in _children(agent.pid):
+        try:
+            os.killpg(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    os.killpg(agent.pid, signal.SIGKILL)
+
+
+def _steps(run: Path) -> list[int]:
+    try:
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if row.get("kind") == "train":
+            out.append(int(row["step"]))
+    return out
+
+
+def _sessions(run: Path) -> int:
+    try:
+        return len(json.loads((run / elastic.RECORD).read_text())["sessions"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def _elastic_run(model: str, args: list[str], run: Path, kill_at: int, timeout: float = 240):
+    """Two agents; the second ('node') killed once the run logged step ``kill_at``. Returns
+    (the surviving agent's process, its output, the last step logged before the kill)."""
+    port = free_port("127.0.0.1")
+    base = [str(BIN / "torchrun"), "--nnodes=1:2", "--nproc-per-node=2", "--max-restarts=1", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test", "--monitor-interval=0.2"]
+    conf = "last_call_timeout=2,join_timeout=120,keep_alive_interval=1,keep_alive_max_attempt=2"
+    cmd = ["-m", f"{model}.train", *args, f"run.dir={run}"]
+    log_a, log_b = open(run.parent / f"{run.name}.a.log", "w+"), open(run.parent / f"{run.name}.b.log", "w+")
+    a = subprocess.Popen([*base, f"--rdzv-conf=is_host=1,{conf}", *cmd], env=env(), cwd=REPO, stdout=log_a,
+                         stderr=subprocess.STDOUT, start_new_session=True)
+    time.sleep(0.5)
+    b = subprocess.Popen([*base, f"--rdzv-conf=is_host=0,{conf}", *cmd], env=env(), cwd=REPO, stdout=log_b,
+                         stderr=subprocess.STDOUT, start_new_session=True)
+    seen = 0
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and a.poll() is None:
+            steps = _steps(run)
+            seen = max([seen, *steps])
+            if seen >= kill_at:
+                break
+            time.sleep(0.05)
+        assert seen >= kill_at, f"the run never reached step {kill_at} (agent: {a.poll()})"
+        _kill_node(b)
+        t_kill = time.monotonic()
+        while time.monotonic() < deadline and a.poll() is None:  # the survivors' last steps, until the restart
+            if _sessions(run) > 1:  # recorded before the restarted session touches metrics.jsonl
+                break
+            seen = max([seen, *_steps(run)])
+            time.sleep(0.05)
+        a.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for proc in (a, b):
+            if proc.poll() is None:
+                _kill_node(proc)
+            proc.wait(timeout=30)
+        log_a.seek(0)
+        out = log_a.read()
+        log_a.close()
+        log_b.close()
+    return a, out, seen, time.monotonic() - t_kill
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_a_node_dies_and_the_job_finishes_on_the_survivors(model, tmp_path_factory):
+    spec = MODELS[model]
+    root = tmp_path_factory.mktemp(f"elastic_{model}")
+    data = prepare(model, root / "data", spec["size"], 16, 4)
+    args = [*COMMON, *spec["args"], f"data.dir={data}", f"parallel.spatial={spec['spatial']}"]
+    whole = root / "whole"  # the uninterrupted run, same global batch (data 1 x spatial 1)
+    launch(model, 1, [*args[:-1], "parallel.spatial=[1,1,1]", f"run.dir={whole}"])
+
+    run = root / "elastic"
+    agent, out, last_step, _ = _elastic_run(model, args, run, kill_at=spec["kill_at"])
+    assert agent.returncode == 0, out[-6000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["grid"]["world"] == 2 and summary["steps"] == spec["steps"], summary
+    assert "died (process" in out, out[-4000:]  # the survivors' watchdogs named a dead rank, then the restart
+
+    diff, key = max_rel_diff(weights(whole), weights(run))
+    assert diff < RTOL, f"{model}: {key} differs by {diff:.2e} relative from the uninterrupted run"
+
+    resumed = summary["session"]["first_step"]
+    assert 0 < resumed and last_step - resumed <= EVERY, (last_step, resumed)  # lost: one checkpoint interval
+
+    sessions = json.loads((run / "elastic.json").read_text())["sessions"]
+    assert [(s["world_size"], s["accum_steps"]) for s in sessions] == [(4, 1), (2, 2)], sessions
+    log = (run / "mlperf.log").read_text()
+    assert log.count('"key": "run_start"') == 1 and log.count('"key": "elastic_restart"') == 1
+    usage = "training" if model == "unet3d" else "hpc"
+    proc = subprocess.run([sys.executable, "-m", "mlperf_logging.compliance_checker", *CHECKER[usage],
+                           str(run / "mlperf.log")], capture_output=True, text=True, timeout=120, cwd=run, check=False)
+    # A dozen steps of a tiny net cannot reach the quality target, the one check allowed to fail here
+    problems = [line for line in (proc.stdout + proc.stderr).splitlines()
+                if line.startswith(("WARNING", "ERROR")) and not TARGET_CHECK.search(line) and line != "ERROR - FAILED"]
+    assert not problems and "Compliance checks:" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+# -- the pure rules --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("data,micro,want", [(2, 2, 1), (1, 2, 2), (2, 1, 2), (4, 1, 1), (1, 1, 4), (4, 4, 1)])
+def test_accumulation_keeps_the_global_batch_and_the_micro_batch(data, micro, want):
+    assert elastic.accumulation(4, data, 1, micro) == want
+
+
+@pytest.mark.unit
+def test_a_data_axis_that_does_not_divide_the_global_batch_stops_with_the_numbers():
+    with pytest.raises(elastic.ElasticError, match=r"train.global_batch_size=4 cannot be split over 3 data groups"):
+        elastic.accumulation(4, 3, 1, 1)
+
+
+@pytest.mark.unit
+def test_a_restart_resumes_on_its_own(monkeypatch):
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(train=SimpleNamespace(resume=False), run=SimpleNamespace(dir="x"))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    elastic.prepare(cfg)
+    assert cfg.train.resume is False
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    elastic.prepare(cfg)
+    assert cfg.train.resume is True
+
+
+# -- asynchronous checkpoints ------------------------------------------------------------------------------------
+
+# torch.save slowed for the checkpoint of step >= AT: half of it written, MARKER touched, then a long wait
+SLOW_SAVE = r"""
+import io, runpy, sys, time, threading
+import torch
+marker, at = sys.argv[1], int(sys.argv[2])
+real_save = torch.save
+def save(obj, f, *args, **kwargs):
+    if isinstance(obj, dict) and int(obj.get("step", 0)) >= at:
+        buf = io.BytesIO()
+        real_save(obj, buf, *args, **kwargs)
+        data = buf.getvalue()
+        f.write(data[: len(data) // 2])
+        f.flush()
+        open(marker, "w").write(threading.current_thread().name)
+        time.sleep(600)
+    return real_save(obj, f, *args, **kwargs)
+torch.save = save
+sys.argv = ["cosmoflow.train", *sys.argv[3:]]
+runpy.run_module("cosmoflow.train", run_name="__main__")
+"""
+
+
+def test_kill_during_a_background_write_leaves_the_previous_checkpoint(tmp_path):
+    data = prepare("cosmoflow", tmp_path / "data", 16, 16, 4)
+    args = [*COMMON, *MODELS["cosmoflow"]["args"], f"data.dir={data}", "train.eval_at_end=false"]
+    run, marker = tmp_path / "run", tmp_path / "writing"
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_SAVE, str(marker), "6", *args, f"run.dir={run}"], env=env(),
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), f"no checkpoint write reached ({proc.poll()}): {proc.stderr.read()[-3000:]}"
+        assert marker.read_text() == "checkpoint-writer"  # written by the background thread
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    partial = run / "checkpoints" / ".last.pt.tmp"
+    assert partial.exists() and partial.stat().st_size > 0
+    with pytest.raises(checkpoint.CheckpointError, match="cannot be read"):
+        checkpoint.load(partial)
+    assert checkpoint.load(run / "checkpoints" / "last.pt")["step"] == 4  # the previous one is intact
+
+
+@pytest.mark.unit
+def test_the_background_writer_writes_a_copy_taken_at_the_save(tmp_path):
+    from parallel.grid import Grid
+
+    grid = Grid((1, 1, 1), 1, 0)
+    model = torch.nn.Linear(3, 2)
+    writer = checkpoint.Writer(background=True)
+    path = checkpoint.checkpoint_path(tmp_path)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    writer.save(path, grid, {"model": model.state_dict(), "step": 1})
+    with torch.no_grad():
+        model.weight.fill_(2.0)  # training goes on while the copy is written
+    writer.finish(grid)
+    assert float(checkpoint.load(path)["model"]["weight"][0, 0]) == 1.0
+    costs = writer.costs()
+    assert costs["written"] == 1 and costs["write_seconds"] > 0 and costs["background"]
+
+
+@pytest.mark.unit
+def test_a_restart_keeps_the_split_while_it_divides_the_world_else_chooses_as_auto(monkeypatch):
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(parallel=SimpleNamespace(spatial=[2, 1, 1]))
+    asked = []
+
+    def auto(world):
+        asked.append(world.world_size)
+        return [1, 1, 1]
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert elastic.spatial_choice(cfg, auto) == [2, 1, 1]  # a first start: the config as it is
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    choose = elastic.spatial_choice(cfg, auto)
+    assert list(choose(SimpleNamespace(world_size=2))) == [2, 1, 1] and asked == []
+    assert list(choose(SimpleNamespace(world_size=3))) == [1, 1, 1] and asked == [3]
+
+
+def test_checkpoints_by_wall_time_on_every_rank_alike(tmp_path):
+    # rank 0's clock decides for both ranks (a broadcast): a save entered by one rank only would hang the job
+    data = prepare("cosmoflow", tmp_path / "data", 16, 16, 4)
+    run = tmp_path / "run"
+    args = [*COMMON, *MODELS["cosmoflow"]["args"], f"data.dir={data}", "train.eval_at_end=false",
+            "run.checkpoint_every=0", "run.checkpoint_every_s=1e-6", "train.max_steps=3", f"run.dir={run}"]
+    launch("cosmoflow", 2, args, timeout=180)
+    costs = json.loads((run / "summary.json").read_text())["checkpoints"]
+    assert costs["written"] == 4 and costs["background"], costs  # one per step, and the end's
+    assert costs["step_seconds"] > 0 and costs["write_seconds"] > 0
+
+
+@pytest.mark.unit
+def test_regrid_records_each_session_and_refuses_what_cannot_continue(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    def job(accum: int = 1):
+        return SimpleNamespace(run=SimpleNamespace(dir=str(tmp_path)),
+                               train=SimpleNamespace(global_batch_size=4, accum_steps=accum))
+
+    def grid(world: int, data: int):  # rank 0 of a world that needs no collective to agree
+        return SimpleNamespace(launcher="torchrun", rank=0, world_size=1, data_size=data, spatial=(world // data, 1, 1))
+
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    cfg = job()
+    assert elastic.regrid(cfg, grid(4, 2)).micro_batch == 2 and cfg.train.accum_steps == 1
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    cfg = job()
+    state = elastic.regrid(cfg, grid(2, 1))
+    assert cfg.train.accum_steps == 2 and [s.data for s in state.sessions] == [2, 1]
+    assert state.event(6)["from"]["data"] == 2 and state.event(6)["step"] == 6
+    with pytest.raises(elastic.ElasticError, match=r"global_batch_size=4 cannot be split over 3 data groups"):
+        elastic.regrid(job(), grid(3, 3))
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")  # not elastic: nothing recorded
+    assert elastic.regrid(job(), grid(2, 1)) is None
