@@ -52,6 +52,18 @@ def _peak_activations(kept: list[float], working: list[float], blocks: list[int]
     return peak
 
 
+def _native_columns(layer: Layer, op: LocalOp, batch: int, machine: Machine) -> float:
+    """Bytes of the column buffer torch's native CPU kernel builds for an unsplit float32 conv
+    with N*C*D*H <= 20480 (``parallel.layers.kernels``; split blocks are reordered to
+    oneDNN instead): C_in x taps x output voxels, alive in the backward."""
+    if machine.device != "cpu" or layer.kind != "conv" or any(op.split) or len(op.in_local) != 4:
+        return 0.0
+    taps = math.prod(layer.kernel) if layer.kernel else 1
+    if taps == 1 or batch * op.in_local[0] * op.in_local[1] * op.in_local[2] > 20480:
+        return 0.0
+    return float(op.in_local[0] * taps * math.prod(op.out_local[1:]) * batch * 4)
+
+
 def _exchange_seconds(layer: Layer, op: LocalOp, spatial: Sequence[int], machine: Machine,
                       bytes_per_voxel: float) -> float:
     """Seconds of a resampling, padding or adaptive pooling layer's exchanges, forward and
@@ -167,7 +179,7 @@ def predict(layers: list[Layer], machine: Machine, data: int, spatial: Sequence[
         if layer.spec.startswith("MaxPool"):
             saved += math.prod(out_local) * 8 * batch
         kept.append(saved)
-        working.append(in_bytes + out_bytes)
+        working.append(in_bytes + out_bytes + _native_columns(layer, op, batch, machine))
     act = model_input + _peak_activations(kept, working, [l.block for l in layers], opts.recompute)
     if opts.recompute:
         compute *= 4.0 / 3.0  # one more forward

@@ -29,6 +29,7 @@ from parallel.train.family import Family
 from parallel.train.loop import Trainer
 from parallel.train.report import setup_logging
 from parallel.train.step import NonFiniteError
+from parallel.train.budget import start as hold_memory_budget
 from parallel.watchdog import Watchdog
 
 log = logging.getLogger("parallel.train")
@@ -88,6 +89,7 @@ def train(cfg: JobConfig, family: Family, config_text: str | None = None) -> dic
         save_config = _settle_run_dir(cfg, grid, config_text)
         watchdog = _start_watchdog(cfg, grid)
         _set_threads(grid)
+        hold_memory_budget(cfg, family, grid, facts, watchdog)  # parallel.memory_limit: checked, held on CPUs
         summary = Trainer(cfg, family, grid, facts, on_start=save_config).fit()
     except BaseException as exc:  # noqa: BLE001 - every failure ends the job, loudly
         _fail(exc, grid, watchdog)
