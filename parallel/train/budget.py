@@ -51,7 +51,7 @@ M_MMAP_THRESHOLD = -3
 
 def size(nbytes: float) -> str:
     """``512 MiB`` or ``3.25 GiB``: the unit that keeps the figure readable."""
-    return f"{nbytes / GIB:.2f} GiB" if abs(nbytes) >= GIB else f"{nbytes / 2**20:.0f} MiB"
+    return f"{nbytes / GIB:.2f} GiB" if abs(nbytes) >= GIB else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _map_large_allocations() -> None:
@@ -84,6 +84,7 @@ class Budget:
     predicted: float | None
     rank: int
     peak: int = 0
+    world: Any = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -179,11 +180,10 @@ def start(cfg: Any, family: Any, grid: Any, facts: Any, watchdog: Any = None) ->
         log.info("memory budget %s per rank (%s): predicted peak %s (%.0f%% of it: runtime %s, activations %s, "
                  "weights and optimiser %s)", size(limit), source, size(predicted), 100 * predicted / limit,
                  size(runtime), size(act), size(predicted - runtime - act))
-    budget = Budget(limit, source, predicted, grid.rank)
+    budget = Budget(limit, source, predicted, grid.rank, world=dist.group.WORLD if dist.is_initialized() else None)
     if grid.device.type == "cpu":
         _map_large_allocations()
-        world = dist.group.WORLD if dist.is_initialized() else None
-        budget._thread = threading.Thread(target=_hold, args=(budget, world, watchdog), daemon=True,
+        budget._thread = threading.Thread(target=_hold, args=(budget, budget.world, watchdog), daemon=True,
                                           name="memory-budget")
         budget._thread.start()
     _ACTIVE.append(budget)
@@ -221,8 +221,9 @@ def _hold(budget: Budget, world: Any, watchdog: Any) -> None:
 def summary_fields(peaks: Sequence[float]) -> dict[str, Any]:
     """The budget and the prediction beside every rank's measured peak (``peaks``: bytes),
     for the run's summary; nothing without a budget."""
-    if not _ACTIVE:
-        return {}
+    if not _ACTIVE or (_ACTIVE[0].world is not None and dist.is_initialized()
+                       and dist.group.WORLD is not _ACTIVE[0].world):
+        return {}  # no budget, or an earlier job's (this process ran it before the job at hand)
     b = _ACTIVE[0]
     out: dict[str, Any] = {"memory_limit_bytes": int(b.limit), "predicted_peak_memory_bytes": None}
     if b.predicted is None:
