@@ -132,7 +132,7 @@ def test_a_rank_over_its_budget_stops_the_job(data: Path, tmp_path: Path):
     proc = launch("cosmoflow", 2, ["--config-name", "smoke", f"data.dir={small}", "data.val_subdir=val",
                                    "train.global_batch_size=2", "train.max_steps=12", "train.eval_every=0",
                                    "train.eval_at_end=false", "data.workers=0", "parallel.spatial=[2,1,1]",
-                                   "model._target_=budget_models.LeakyRegressor", "model.leak_mb=96",
+                                   "model._target_=budget_models.LeakyRegressor", "model.leak_mb=96", "model.delay_s=0.3",
                                    "parallel.memory_limit=700MB", "parallel.heartbeat_s=0.5",
                                    f"run.dir={tmp_path / 'run'}"],
                   launcher="torchrun", check=False, extra_env=extra, timeout=240)

@@ -71,8 +71,11 @@ class MemoryBudgetError(InputError):
     """The grid's predicted peak does not fit the budget (raised alike on every rank)."""
 
 
-class MemoryBudgetExceeded(RuntimeError):
-    """A rank's resident memory went over the budget while running."""
+class MemoryBudgetExceeded(InputError):
+    """A rank's resident memory went over the budget while running: this rank's own (not
+    alike on every rank), exit 2 like the refusal before the first step."""
+
+    collective = False
 
 
 @dataclass
@@ -85,6 +88,7 @@ class Budget:
     rank: int
     peak: int = 0
     world: Any = None
+    tripped: BaseException | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -207,6 +211,7 @@ def _hold(budget: Budget, world: Any, watchdog: Any) -> None:
             f"rank {budget.rank} went over its memory budget: resident {size(rss)} > {size(budget.limit)} "
             f"({budget.source}; predicted peak {predicted}); give it more memory per rank or split "
             "each sample further (parallel.spatial)")
+        budget.tripped = exc  # a main thread reaching the summary meanwhile must not end cleanly
         if watchdog is not None:
             watchdog.fail(exc, own_error=True, code=EXIT_OVER_BUDGET)
         log.error("%s", exc)
@@ -225,6 +230,8 @@ def summary_fields(peaks: Sequence[float]) -> dict[str, Any]:
                        and dist.group.WORLD is not _ACTIVE[0].world):
         return {}  # no budget, or an earlier job's (this process ran it before the job at hand)
     b = _ACTIVE[0]
+    if b.tripped is not None:  # the watch is ending the job: the run did not end within its budget
+        raise b.tripped
     out: dict[str, Any] = {"memory_limit_bytes": int(b.limit), "predicted_peak_memory_bytes": None}
     if b.predicted is None:
         return out
