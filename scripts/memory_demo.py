@@ -2,8 +2,8 @@
 run cannot meet, refused before its first step with the numbers, then ``parallel.spatial=auto``
 choosing a split that fits and training a few steps with every rank's measured peak under
 the budget, beside the planner's prediction. CosmoFlow on 256^3 samples (4 channels,
-batch 1) and the U-Net on 256^3 crops, small filter counts so that a 2-core machine
-trains a step in seconds.
+batch 1) and the U-Net on 256^3 crops of cases of 256-272 voxels a side, small filter
+counts so that a 2-core machine trains a step in seconds.
 
     python scripts/memory_demo.py                       # 256^3, 4 ranks, 3 steps each (~10 minutes on 2 cores)
     python scripts/memory_demo.py --size 128 --cosmo-budget 600MiB --unet-budget 760MiB   # a quick look (~4 minutes)
@@ -45,6 +45,8 @@ def _prepare(family: str, out: Path, size: int) -> None:
         return
     cmd = [sys.executable, "-m", f"{family}.prepare", "synthetic", "--out", str(out), "--size", str(size),
            "--train", "2", "--val", "1", "--quiet", "--workers", "1"]
+    if family == "unet3d":  # cases a little larger than the crop, of differing shapes, as real CT cases are
+        cmd += ["--size-range", f"{size},{size + size // 16}"]
     rc, text, _ = _run(cmd, out.with_suffix(".prepare.log"))
     if rc != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({rc}):\n{text[-2000:]}")
