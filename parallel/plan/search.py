@@ -54,7 +54,6 @@ def choose(layers: list[Layer], machine: Machine, devices: int, memory_limit: fl
     return tuple(best["spatial"])  # type: ignore[return-value]
 
 
-
 def smallest_fit(layers: list[Layer], machine: Machine, memory_limit: float, opts: Options, data: int = 1,
                  max_ranks: int = 1024) -> dict[str, Any] | None:
     """The spatial split with the fewest ranks per sample (the least memory among those)
