@@ -20,9 +20,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from parallel import plan  # noqa: E402
-from parallel.plan.local import valid  # noqa: E402
-from parallel.plan.machines import NODES, Node, predict_on  # noqa: E402
+from parallel import plan
+from parallel.plan.local import valid
+from parallel.plan.machines import NODES, Node, predict_on
 
 COSMO512 = ["model.n_conv_blocks=7", "model.max_filters=512"]  # configs/cosmoflow/mlperf512.yaml's network
 GIB = 2**30

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from train_helpers import REPO, launch, prepare
 
 from cosmoflow.family import FAMILY, CosmoFlowJob
 from parallel import plan
@@ -19,7 +20,6 @@ from parallel.train import autosplit
 from parallel.train.cli import CONFIG_ROOT, register
 from parallel.train.config import to_dataclass
 from parallel.train.preflight import read_facts
-from train_helpers import REPO, launch, prepare
 
 TESTS = Path(__file__).resolve().parent
 SIZE = 128  # CosmoFlow's 4-filter first block at 128^3: ~260 MB of activations serially, ~95 MB split 2 ways

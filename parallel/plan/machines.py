@@ -15,8 +15,9 @@ is an assumption: cuDNN's 3-D convolutions in float32 reach a fraction of the FP
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from parallel.plan.cost import Options, predict
 from parallel.plan.machine import Machine

@@ -30,8 +30,9 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
