@@ -1,5 +1,6 @@
 """This process's peak resident memory, read one way for the training report
-(``parallel.train.report``) and the benchmarks (``parallel.bench.device``)."""
+(``parallel.train.report``) and the benchmarks (``parallel.bench.device``); sizes such as
+``3GiB`` in bytes (``parallel.memory_limit``, ``python -m parallel.plan --device-memory``)."""
 
 from __future__ import annotations
 
@@ -18,3 +19,13 @@ def peak_rss_bytes() -> int:
     except OSError:
         pass
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux and BSD report KiB
+
+
+def parse_bytes(text: str) -> float:
+    """``80GB``, ``512MiB``, ``1e9`` -> bytes."""
+    t = text.strip().upper()
+    for suffix, mult in (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("TB", 1e12), ("GB", 1e9),
+                         ("MB", 1e6), ("KB", 1e3), ("B", 1)):
+        if t.endswith(suffix):
+            return float(t[: -len(suffix)]) * mult
+    return float(t)

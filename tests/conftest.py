@@ -69,6 +69,7 @@ TIERS = {
     "test_kfac_grid": "ranks",
     "test_kfac_loop": "unit",
     "test_kfac_train": "launch",
+    "test_memory_budget": "launch",
     "test_layers": "ranks",
     "test_layers_resample": "ranks",
     "test_monai": "ranks",

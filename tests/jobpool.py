@@ -119,7 +119,7 @@ def _worker(rank: int, jobs: Any, results: Any, warm: Sequence[str]) -> None:
 
 def _fresh_state() -> None:
     """What one ``python -m`` would start without: Hydra's global state, the loop's logger,
-    a sweep's list of failed jobs, the count of process groups this process started (a
+    the peak resident memory, a sweep's list of failed jobs, the count of process groups this process started (a
     fresh process's first group rendezvouses through ``env://``, later ones under a
     prefix: every rank of a job must take the same path)."""
     import logging
@@ -127,6 +127,11 @@ def _fresh_state() -> None:
     from parallel import launch
 
     launch._STARTS[0] = 0
+    try:  # the peak resident memory (VmHWM) a job reports is its own, not an earlier job's
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+    except OSError:
+        pass
     sweep = sys.modules.get("parallel.train.sweep")
     if sweep is not None:  # the failed jobs of a sweep this process ran: a fresh process has none
         sweep.FAILED.clear()

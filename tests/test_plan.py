@@ -34,7 +34,7 @@ def test_predict_arithmetic():
     layers = _layers()
     m = Machine(conv_flops={}, default_conv_flops=1e9, mem_bandwidth=1e9, p2p_alpha=1e-4, p2p_beta=1e9,
                 ar_alpha=1e-4, ar_beta=1e9, layer_overhead=0.0, spatial_layer_overhead=0.0,
-                io_bandwidth=1e8, baseline_memory=1e8)
+                io_bandwidth=1e8, baseline_memory=1e8, device="cuda")  # no native CPU kernel buffers (below)
     opts = Options(global_batch=2, stored_bytes_per_voxel=8, overlap=False)
     serial = plan.predict(layers, m, 1, (1, 1, 1), opts)
     split = plan.predict(layers, m, 1, (2, 1, 1), opts)
@@ -63,6 +63,15 @@ def test_predict_arithmetic():
     peak = x + sum(math.prod(l.out_shape) * 4 * 2 * (1.125 if l.kind == "pool" else 1) for l in first[:-1]) \
         + 4 * 2 * (math.prod(first[-2].out_shape) + math.prod(first[-2].in_shape))
     assert serial["activation_bytes"] == pytest.approx(peak)  # input, conv and act outputs, pool indices, 2 grads
+    # On a CPU, torch's native kernel takes the thin first conv (batch x C x D x H <= 20480) and
+    # holds C_in x 27 x output voxels of columns in its backward; a split block is reordered to oneDNN.
+    m.device = "cpu"
+    columns = layers[0].in_shape[0] * 27 * math.prod(layers[0].out_shape[1:]) * 2 * 4
+    cpu = plan.predict(layers, m, 1, (1, 1, 1), opts)["activation_bytes"]
+    assert cpu == pytest.approx(max(peak, x + 4 * 2 * (math.prod(layers[0].out_shape) + math.prod(layers[0].in_shape))
+                                    + columns + math.prod(layers[0].out_shape) * 4 * 2))
+    assert plan.predict(layers, m, 1, (2, 1, 1), opts)["activation_bytes"] == split["activation_bytes"]
+    m.device = "cuda"
     unet, shape, _ = plan.build_model("unet3d", (16, 16, 16), ["model.depth=2", "model.base_filters=4"])
     ul = plan.trace(unet, shape)
     assert {l.block for l in ul if l.kind == "conv"} >= {0, 1, 2}

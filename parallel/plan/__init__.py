@@ -31,8 +31,9 @@ from parallel.plan.cost import Options, predict
 from parallel.plan.local import LocalOp, first_layer, local_ops, op_key, valid
 from parallel.plan.machine import Machine, default_calibration
 from parallel.plan.models import build_model
-from parallel.plan.search import choose, splits, table
+from parallel.plan.search import choose, fit_hint, smallest_fit, splits, table
 from parallel.plan.trace import Layer, trace
 
 __all__ = ["Layer", "LocalOp", "Machine", "Options", "build_model", "choose", "default_calibration",
-           "first_layer", "local_ops", "op_key", "predict", "splits", "table", "trace", "valid"]
+           "first_layer", "fit_hint", "local_ops", "op_key", "predict", "smallest_fit", "splits", "table", "trace",
+           "valid"]

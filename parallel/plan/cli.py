@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from parallel.memory import parse_bytes
 from parallel.plan.cost import Options
 from parallel.plan.machine import Machine, default_calibration
 from parallel.plan.models import build_model
@@ -28,16 +29,6 @@ def _description() -> str:
 
     return parallel.plan.__doc__ or ""
 
-
-
-def parse_bytes(text: str) -> float:
-    """``80GB``, ``512MiB``, ``1e9`` -> bytes."""
-    t = text.strip().upper()
-    for suffix, mult in (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("TB", 1e12), ("GB", 1e9),
-                         ("MB", 1e6), ("KB", 1e3), ("B", 1)):
-        if t.endswith(suffix):
-            return float(t[: -len(suffix)]) * mult
-    return float(t)
 
 
 def main(argv: list[str] | None = None) -> int:

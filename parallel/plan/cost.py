@@ -25,9 +25,24 @@ class Options:
     kfac: Any = None                      # a parallel.plan.kfac.KFACPlan: K-FAC's work and memory added
     shard_linear: bool = True             # Flatten+Linear weights sharded by block (as the loop runs them)
     node_ranks: int = 1                   # ranks sharing one machine's cores (CPU ranks of a node; 1 per GPU)
+    voxel_loss_tensors: float = 7.0       # output-sized float tensors a voxel-wise loss holds at its peak (below)
 
 
-def _peak_activations(kept: list[float], working: list[float], blocks: list[int], recompute: bool) -> float:
+def _voxel_loss_bytes(layers: list[Layer], out_local: tuple[int, ...], batch: int, opts: Options) -> float:
+    """Bytes a voxel-wise loss holds at the start of the backward when the network's output
+    is a volume (C, D, H, W): Dice + cross-entropy (``unet3d.losses``) keeps the softmax,
+    the float one-hot labels and cross-entropy's log-softmax, and its backward adds the
+    gradients of both branches and their sum (``voxel_loss_tensors`` output-sized tensors
+    in all), besides the labels as int64. Measured on the U-Net's split ranks: 86 bytes a
+    voxel at 128^3, 96 at 256^3, for 3 classes; this counts 92."""
+    if len(layers[-1].out_shape) != 4 or len(out_local) != 4:
+        return 0.0
+    voxels = math.prod(out_local[1:]) * batch
+    return voxels * (out_local[0] * 4 * opts.voxel_loss_tensors + 8)
+
+
+def _peak_activations(kept: list[float], working: list[float], blocks: list[int], recompute: bool,
+                      loss: float = 0.0) -> float:
     """Peak bytes of activations and gradients over a step, besides the model input. The
     backward of layer ``i`` holds what layers ``0..i`` kept plus its two gradients (later
     layers' tensors are freed by then). Under recomputation, a block (``blocks[i]`` >= 0,
@@ -36,7 +51,7 @@ def _peak_activations(kept: list[float], working: list[float], blocks: list[int]
     n = len(kept)
     last = [i == n - 1 or blocks[i] < 0 or blocks[i + 1] != blocks[i] for i in range(n)]
     through = [k if not recompute or blocks[i] < 0 or last[i] else 0.0 for i, k in enumerate(kept)]
-    peak = sum(through)
+    peak = sum(through) + loss  # the end of the forward: everything kept, and the loss's tensors
     before = 0.0      # kept through the forward by the layers before the current block/layer
     inner = 0.0       # the current block's recomputed internals so far
     for i in range(n):
@@ -50,6 +65,18 @@ def _peak_activations(kept: list[float], working: list[float], blocks: list[int]
             before += through[i]
             peak = max(peak, before + working[i])
     return peak
+
+
+def _native_columns(layer: Layer, op: LocalOp, batch: int, machine: Machine) -> float:
+    """Bytes of the column buffer torch's native CPU kernel builds for an unsplit float32 conv
+    with N*C*D*H <= 20480 (``parallel.layers.kernels``; split blocks are reordered to
+    oneDNN instead): C_in x taps x output voxels, alive in the backward."""
+    if machine.device != "cpu" or layer.kind != "conv" or any(op.split) or len(op.in_local) != 4:
+        return 0.0
+    taps = math.prod(layer.kernel) if layer.kernel else 1
+    if taps == 1 or batch * op.in_local[0] * op.in_local[1] * op.in_local[2] > 20480:
+        return 0.0
+    return float(op.in_local[0] * taps * math.prod(op.out_local[1:]) * batch * 4)
 
 
 def _exchange_seconds(layer: Layer, op: LocalOp, spatial: Sequence[int], machine: Machine,
@@ -167,8 +194,9 @@ def predict(layers: list[Layer], machine: Machine, data: int, spatial: Sequence[
         if layer.spec.startswith("MaxPool"):
             saved += math.prod(out_local) * 8 * batch
         kept.append(saved)
-        working.append(in_bytes + out_bytes)
-    act = model_input + _peak_activations(kept, working, [l.block for l in layers], opts.recompute)
+        working.append(in_bytes + out_bytes + _native_columns(layer, op, batch, machine))
+    loss = _voxel_loss_bytes(layers, local_ops(layers, spatial)[-1].out_local, batch, opts)
+    act = model_input + _peak_activations(kept, working, [l.block for l in layers], opts.recompute, loss)
     if opts.recompute:
         compute *= 4.0 / 3.0  # one more forward
     # Gradients: a sum over every rank; a sharded weight's columns only a mean over the data group.

@@ -53,3 +53,34 @@ def choose(layers: list[Layer], machine: Machine, devices: int, memory_limit: fl
     best = next((r for r in rows if r["best"]), min(rows, key=lambda r: r["memory_bytes"]))
     return tuple(best["spatial"])  # type: ignore[return-value]
 
+
+def smallest_fit(layers: list[Layer], machine: Machine, memory_limit: float, opts: Options, data: int = 1,
+                 max_ranks: int = 1024) -> dict[str, Any] | None:
+    """The spatial split with the fewest ranks per sample (the least memory among those)
+    whose predicted peak per rank fits ``memory_limit``, at ``data`` data groups (the local
+    batch stays the job's); None if none up to ``max_ranks`` ranks per sample does."""
+    for s in range(1, max_ranks + 1):
+        rows = []
+        for sd in range(1, s + 1):
+            for sh in range(1, s // sd + 1):
+                if s % (sd * sh) or not sd >= sh >= s // (sd * sh):
+                    continue
+                sp = (sd, sh, s // (sd * sh))
+                if valid(layers, sp):
+                    rows.append({"data": data, "spatial": list(sp), **predict(layers, machine, data, sp, opts)})
+        fitting = [r for r in rows if r["memory_bytes"] <= memory_limit]
+        if fitting:
+            return min(fitting, key=lambda r: r["memory_bytes"])
+    return None
+
+
+def fit_hint(layers: list[Layer], machine: Machine, memory_limit: float, opts: Options, data: int = 1,
+             max_ranks: int = 1024) -> str:
+    """One sentence naming ``smallest_fit``'s split and its predicted peak, for messages."""
+    row = smallest_fit(layers, machine, memory_limit, opts, data, max_ranks)
+    if row is None:
+        return f"no spatial split of up to {max_ranks} ranks per sample fits"
+    s = row["spatial"]
+    return (f"the smallest split that fits is parallel.spatial=[{s[0]},{s[1]},{s[2]}] "
+            f"({s[0] * s[1] * s[2]} ranks per sample, x {data} data groups): predicted "
+            f"{row['memory_bytes'] / 2**20:.0f} MiB per rank")

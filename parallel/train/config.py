@@ -145,6 +145,13 @@ class ParallelConfig:
     ``auto``: the split ``python -m parallel.plan`` predicts fastest among those that fit."""
     device_memory_gb: float = 0.0
     """Memory per rank that ``spatial=auto`` may plan for (0: the GPU's, or host RAM / local ranks)."""
+    memory_limit: Any = None
+    """Memory budget per rank: bytes, or a string such as ``3GiB`` or ``500MB`` (None: the
+    device's memory on GPUs, no budget on CPUs). Before the first step the planner's
+    predicted peak per rank must fit it, else the job stops (exit 2) with the prediction
+    and the smallest split that fits; ``spatial=auto`` plans for it; on CPUs a rank whose
+    resident memory goes over it stops the job (exit 2). ``parallel.train.budget``,
+    ``docs/performance.md`` ("A memory budget per rank")."""
     overlap_halo: Any = False
     """Run each split conv's halo exchange beside its block's convolution, forward and backward:
     ``true``, ``false``, or ``auto`` (per layer, where the calibration says the messages take

@@ -31,6 +31,7 @@ from parallel.train.config import JobConfig
 from parallel.train.family import Family
 from parallel.train.loop import Trainer
 from parallel.train.report import setup_logging
+from parallel.train.budget import start as hold_memory_budget
 from parallel.train.step import NonFiniteError
 from parallel.watchdog import Watchdog
 
@@ -95,6 +96,7 @@ def train(cfg: JobConfig, family: Family, config_text: str | None = None) -> dic
         regrid = elastic.regrid(cfg, grid)  # torchrun: accumulation for this world, run.dir/elastic.json
         watchdog = _start_watchdog(cfg, grid)
         _set_threads(grid)
+        hold_memory_budget(cfg, family, grid, checks.read_facts, watchdog)  # parallel.memory_limit: checked, held
         trainer = Trainer(cfg, family, grid, checks, on_start=save_config, regrid=regrid)
         if watchdog is not None:  # a write in flight ends before a failure ends the process (bounded)
             watchdog.before_exit = lambda: trainer.writer.drain(min(60.0, cfg.parallel.timeout_s))

@@ -19,6 +19,7 @@ from parallel import comm
 
 from parallel.grid import Grid
 from parallel.memory import peak_rss_bytes
+from parallel.train.budget import summary_fields as memory_budget_fields
 from parallel.train.config import RunConfig
 
 log = logging.getLogger("parallel.train")
@@ -190,6 +191,7 @@ def summarize(grid: Grid, values: dict[str, Any], per_rank: torch.Tensor, sample
     out["data_wait_seconds_per_rank"] = [round(float(v), 3) for v in per_rank[:, 2].tolist()]
     out["grid"] = {"world": grid.world_size, "data": grid.data_size, "spatial": list(grid.spatial)}
     out["samples_trained"] = samples_trained
+    out.update(memory_budget_fields(out["peak_memory_bytes_per_rank"]))  # budget and prediction beside the peaks
     return out
 
 
