@@ -12,6 +12,8 @@ Split by concern, one idea a module:
   ``usermodel`` (any network as ``model._target_=...``);
 - before training: ``checks`` (a package: the job's checks in one pass, validate ->
   samples -> fit -> verify, and their errors), ``autosplit`` (``parallel.spatial=auto``),
+  ``budget`` (``parallel.memory_limit``: the grid's predicted peak against it before the
+  first step, and on CPUs the budget held while the job runs),
   ``rundir`` (the run-directory rule);
 - the run: ``lifecycle`` (the process: start, watchdog, failure, exit codes), ``loop``
   (the trainer's run), ``step`` (one step and its non-finite guard), ``gradnorm`` (the
