@@ -115,7 +115,7 @@ SLOW = {
     "test_fail_checkpoint.py::test_kill_during_checkpoint_write_then_resume",
     "test_fail_ranks.py::test_kill_one_of_four_ranks_stops_the_job",
     "test_kfac_train.py::test_kfac_stopped_at_one_grid_resumes_at_another",
-    "test_launchers.py::test_spatial_1x2x2_equals_plain_python_under_torchrun_mpirun_and_slurm",
+    "test_launchers.py::test_spatial_1x2x2_equals_plain_python_under_torchrun_and_mpirun",
     "test_predict.py::test_cosmoflow_predict_rows_equal_at_every_grid",
     "test_predict.py::test_unet_predict_says_what_it_read_and_refuses_user_errors_in_one_line",
     "test_mlperf_unet.py::test_a_short_closed_run_over_168_42_cases_logs_every_key_the_rules_ask_for",

@@ -343,12 +343,14 @@ def test_config_errors_exit_2_with_one_message_from_rank_0(tmp_path):
         code, out = run(cmd)
         assert code == 2 and out.count(said) == 1 and "Traceback" not in out, out[-3000:]
     data = prepare("cosmoflow", tmp_path / "cosmo", 16, 2, 1)
-    code, out = run([str(BIN / "mpirun"), "-n", "3", sys.executable, *py[1:], f"data.dir={data}", "parallel.spatial=[2,1,1]"])
+    proc = python_m("cosmoflow.train", [*py[3:], f"data.dir={data}", "parallel.spatial=[2,1,1]"], nproc=3, timeout=240)
+    code, out = proc.returncode, proc.stdout + proc.stderr
     assert code == 2 and out.count("data x spatial(2x1x1) cannot equal 3") == 1, out[-3000:]
     kits = prepare("unet3d", tmp_path / "kits", 32, 2, 1)
     # whole 32^3 cases (the default 128^3 crops would pad them): the bottleneck keeps one voxel
-    code, out = run([str(BIN / "mpirun"), "-n", "2", sys.executable, "-m", "unet3d.train", f"data.dir={kits}",
-                     "data.crop=null", "eval.mode=whole", "parallel.spatial=[2,1,1]", f"run.dir={tmp_path / 'u'}"])
+    proc = python_m("unet3d.train", [f"data.dir={kits}", "data.crop=null", "eval.mode=whole", "parallel.spatial=[2,1,1]",
+                                     f"run.dir={tmp_path / 'u'}"], nproc=2, timeout=240)
+    code, out = proc.returncode, proc.stdout + proc.stderr
     errors = [line for line in out.splitlines() if " ERROR " in line]
     assert code == 2 and len(errors) == 1 and "[rank 0]" in errors[0], out[-3000:]
     assert "layer 'down.4.0.1' (InstanceNorm3d)" in out and "1x1x1 voxel(s)" in out, out[-3000:]
