@@ -27,7 +27,7 @@ import torch
 
 from parallel.launch import free_port
 from parallel.train import checkpoint, elastic
-from train_helpers import BIN, REPO, env, launch, max_rel_diff, prepare, weights
+from train_helpers import BIN, REPO, env, kill_during_checkpoint_write, launch, max_rel_diff, prepare, weights
 
 # float32 sums in another order (another data size, accumulation) over a dozen SGD steps
 RTOL = 1e-4
@@ -207,44 +207,12 @@ def test_a_restart_resumes_on_its_own(monkeypatch):
 
 # -- asynchronous checkpoints ------------------------------------------------------------------------------------
 
-# torch.save slowed for the checkpoint of step >= AT: half of it written, MARKER touched, then a long wait
-SLOW_SAVE = r"""
-import io, runpy, sys, time, threading
-import torch
-marker, at = sys.argv[1], int(sys.argv[2])
-real_save = torch.save
-def save(obj, f, *args, **kwargs):
-    if isinstance(obj, dict) and int(obj.get("step", 0)) >= at:
-        buf = io.BytesIO()
-        real_save(obj, buf, *args, **kwargs)
-        data = buf.getvalue()
-        f.write(data[: len(data) // 2])
-        f.flush()
-        open(marker, "w").write(threading.current_thread().name)
-        time.sleep(600)
-    return real_save(obj, f, *args, **kwargs)
-torch.save = save
-sys.argv = ["cosmoflow.train", *sys.argv[3:]]
-runpy.run_module("cosmoflow.train", run_name="__main__")
-"""
-
-
 def test_kill_during_a_background_write_leaves_the_previous_checkpoint(tmp_path):
     data = prepare("cosmoflow", tmp_path / "data", 16, 16, 4)
     args = [*COMMON, *MODELS["cosmoflow"]["args"], f"data.dir={data}", "train.eval_at_end=false"]
     run, marker = tmp_path / "run", tmp_path / "writing"
-    proc = subprocess.Popen([sys.executable, "-c", SLOW_SAVE, str(marker), "6", *args, f"run.dir={run}"], env=env(),
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert marker.exists(), f"no checkpoint write reached ({proc.poll()}): {proc.stderr.read()[-3000:]}"
-        assert marker.read_text() == "checkpoint-writer"  # written by the background thread
-        os.killpg(proc.pid, signal.SIGKILL)
-    finally:
-        proc.wait(timeout=30)
+    said = kill_during_checkpoint_write([*args, f"run.dir={run}"], 6, marker, timeout=120)
+    assert said.split()[1] == "checkpoint-writer", said  # killed while the background thread wrote
     partial = run / "checkpoints" / ".last.pt.tmp"
     assert partial.exists() and partial.stat().st_size > 0
     with pytest.raises(checkpoint.CheckpointError, match="cannot be read"):

@@ -13,17 +13,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
 
 from parallel.grid import Grid
 from parallel.train import checkpoint
-from train_helpers import REPO, env, launch, prepare, python_m, weights
+from train_helpers import kill_during_checkpoint_write, launch, prepare, python_m, weights
 
 TINY = ["--config-name", "quickstart", "train.global_batch_size=4", "model.conv_filters=4", "model.n_conv_blocks=2",
         "model.dense_sizes=[16]", "model.input_shift=3.8", "model.input_scale=2.0", "optim.lr=0.02",
@@ -32,29 +28,6 @@ TINY = ["--config-name", "quickstart", "train.global_batch_size=4", "model.conv_
 # Factors every 2 steps and eigendecompositions every 4, so that a resume lands between updates of both.
 KFAC = ["optim.name=kfac", "optim.kfac.factor_interval=2", "optim.kfac.inverse_interval=4", "optim.kfac.damping=0.01",
         "optim.lr=0.01"]
-
-# Runs cosmoflow.train with torch.save writing half of the checkpoint of step >= AT,
-# touching MARKER, then sleeping: the test kills it there.
-SLOW_SAVE = r"""
-import io, runpy, sys, time
-import torch
-marker, at = sys.argv[1], int(sys.argv[2])
-real_save = torch.save
-def save(obj, f, *args, **kwargs):
-    if isinstance(obj, dict) and int(obj.get("step", 0)) >= at:
-        buf = io.BytesIO()
-        real_save(obj, buf, *args, **kwargs)
-        data = buf.getvalue()
-        f.write(data[: len(data) // 2])
-        f.flush()
-        open(marker, "w").write(str(obj["step"]))
-        time.sleep(600)
-    return real_save(obj, f, *args, **kwargs)
-torch.save = save
-sys.argv = ["cosmoflow.train", *sys.argv[3:]]
-runpy.run_module("cosmoflow.train", run_name="__main__")
-"""
-
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
@@ -74,18 +47,8 @@ def test_kill_during_checkpoint_write_then_resume(data, tmp_path):
     launch("cosmoflow", 1, [*args, f"run.dir={whole}"])
 
     cut = tmp_path / "cut"
-    marker = tmp_path / "writing"
-    proc = subprocess.Popen([sys.executable, "-c", SLOW_SAVE, str(marker), "4", *args, f"run.dir={cut}",
-                             "run.keep_checkpoints=2"], env=env(), cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 180
-        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert marker.exists(), f"no checkpoint write reached ({proc.poll()}): {proc.stderr.read()[-3000:]}"
-        os.killpg(proc.pid, signal.SIGKILL)  # in the middle of writing step 4
-    finally:
-        proc.wait(timeout=30)
+    said = kill_during_checkpoint_write([*args, f"run.dir={cut}", "run.keep_checkpoints=2"], 4, tmp_path / "writing")
+    assert said.split()[0] == "4"  # killed in the middle of writing step 4
     ckpt_dir = cut / "checkpoints"
     partial = ckpt_dir / ".last.pt.tmp"
     assert partial.exists() and partial.stat().st_size > 0

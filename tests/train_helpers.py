@@ -127,3 +127,50 @@ def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], floor: 
         d = ((a[k] - b[k]).abs().max() / a[k].abs().max().clamp(min=floor)).item()
         worst = max(worst, (d, k))
     return worst
+
+
+# Runs cosmoflow.train with torch.save writing half of the checkpoint of step >= AT, then
+# writing "<step> <thread>" to MARKER and sleeping: kill_during_checkpoint_write kills it there.
+_SLOW_SAVE = r"""
+import io, runpy, sys, time, threading
+import torch
+marker, at = sys.argv[1], int(sys.argv[2])
+real_save = torch.save
+def save(obj, f, *args, **kwargs):
+    if isinstance(obj, dict) and int(obj.get("step", 0)) >= at:
+        buf = io.BytesIO()
+        real_save(obj, buf, *args, **kwargs)
+        data = buf.getvalue()
+        f.write(data[: len(data) // 2])
+        f.flush()
+        open(marker, "w").write(f"{obj['step']} {threading.current_thread().name}")
+        time.sleep(600)
+    return real_save(obj, f, *args, **kwargs)
+torch.save = save
+sys.argv = ["cosmoflow.train", *sys.argv[3:]]
+runpy.run_module("cosmoflow.train", run_name="__main__")
+"""
+
+
+def kill_during_checkpoint_write(overrides: Sequence[str], at: int, marker: Path, timeout: float = 180) -> str:
+    """Train CosmoFlow in one real process and ``kill -9`` it (its process group) in the middle
+    of writing the first checkpoint of step ``at`` or later; returns what that write said:
+    ``"<step> <thread name>"`` (the thread: the main one, or the background writer's)."""
+    import os
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_SAVE, str(marker), str(at), *overrides], env=env(),
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), f"no checkpoint write reached ({proc.poll()}): {proc.stderr.read()[-3000:]}"
+        time.sleep(0.05)  # the marker's text is written
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    return marker.read_text()
+
