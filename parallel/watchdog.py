@@ -48,6 +48,7 @@ from typing import Any, NoReturn
 
 import torch.distributed as dist
 
+from parallel import monitor
 from parallel.failures import EXIT_CODE, PeerCheck, Record, looks_like_comm, plan_failure, reaction
 
 log = logging.getLogger("parallel")
@@ -109,6 +110,7 @@ class Watchdog:
         self.monitor = launcher == "mpi" if monitor is None else monitor
         tag = re.sub(r"[^A-Za-z0-9]+", "-", f"{address[0]}-{address[1]}-{namespace}")
         self.notes = os.path.join(tempfile.gettempdir(), f"spatialcnn-exits-{tag}")
+        self._monitor_link: Any = None  # kept open for the process's life (see parallel/monitor.py)
         self.before_exit: Any = None
         """Called (bounded by the caller) before this process ends the job: the training
         loop finishes a checkpoint write in flight, so a restart loses no finished copy."""
@@ -128,6 +130,9 @@ class Watchdog:
         self._store.add(self._key(f"hb/{self.rank}"), 1)
         if self.monitor:
             self._start_monitor()
+            # The connection the monitor watches (it ends when this process's files close);
+            # made in the background: the node's lowest rank may start the monitor later.
+            threading.Thread(target=self._connect_monitor, name="parallel-monitor-link", daemon=True).start()
         self._thread = threading.Thread(target=self._run, name="parallel-watchdog", daemon=True)
         self._thread.start()
         return self
@@ -143,6 +148,9 @@ class Watchdog:
         subprocess.Popen([sys.executable, script, self.notes, self.host,
                           *(f"{t['rank']}:{t['pid']}" for t in local)],
                          stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+
+    def _connect_monitor(self) -> None:
+        self._monitor_link = monitor.connect(self.notes, self.rank, timeout=max(30.0, self.timeout_s))
 
     def note_exit(self, status: str) -> None:
         """Leave this rank's exit note for the node's monitor: ``ok`` (normal end),

@@ -40,6 +40,7 @@ TIERS = {
     "test_bad_input": "unit",
     "test_cases_preflight": "unit",
     "test_jobpool": "launch",
+    "test_monitor": "unit",
     "test_job_checks": "unit",
     "test_comm_adjoint": "ranks",
     "test_comm_layer": "unit",
