@@ -5,17 +5,21 @@
 #   bash scripts/test.sh -m unit       # one tier: unit (under a minute), ranks or launch
 #   bash scripts/test.sh -m "not slow" # leave out the longest launches (about half the time)
 #   bash scripts/test.sh -k halo       # extra arguments go to pytest
+#   TEST_WORKERS=0 bash scripts/test.sh  # one process (default 2: pytest-xdist, a module per worker)
 #
 # Tiers (tests/conftest.py): unit = pure logic and single-process work on real files;
 # ranks = several gloo ranks of the spawned pool; launch = python -m, torchrun, mpirun,
 # Slurm variables, the scripts and a real Slurm on this machine (tests/slurm_cluster.py).
 set -euo pipefail
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
-    sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
     exit 0
 fi
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # shellcheck source=scripts/setup.sh
 source scripts/setup.sh
 export OMP_NUM_THREADS=1
-python -m pytest -q --durations=20 "$@"
+# Two workers (pytest-xdist), each taking whole modules (module fixtures, the real Slurm
+# cluster and the session's job pool stay within one worker); the longest modules start
+# first (tests/conftest.py LONGEST_FIRST).
+python -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadfile --durations=20 "$@"

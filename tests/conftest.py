@@ -132,6 +132,16 @@ SLOW = {
     "test_train_sweeps.py::test_submitit_launcher_starts_each_jobs_ranks",
 }
 
+# The longest modules first (seconds on a quiet 2-core machine, run alone), so that
+# pytest-xdist's per-file scheduling (scripts/test.sh: -n 2 --dist loadfile) starts them
+# early instead of leaving one of them alone at the end; the rest keep their order.
+LONGEST_FIRST = {
+    "test_slurm_real": 121, "test_docs_commands": 70, "test_monai": 66, "test_cluster_scripts": 60,
+    "test_contract_matrix": 55, "test_elastic": 49, "test_benchmark": 45, "test_train_cases": 25,
+    "test_train_sweeps": 25, "test_launchers": 22, "test_gpu_check": 21, "test_jobpool": 19,
+    "test_watchdog": 18, "test_fail_ranks": 18, "test_bad_input": 15,
+}
+
 
 NIGHTLY = {
     # the nightly test -> the CI test that carries the same proof
@@ -171,6 +181,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if missing:
         raise pytest.UsageError(f"test module(s) {', '.join(sorted(missing))} have no tier: add them to TIERS in "
                                 f"tests/conftest.py ({', '.join(TIER_NAMES)})")
+    items.sort(key=lambda item: -LONGEST_FIRST.get(Path(str(item.fspath)).stem, 0))  # stable: order kept within
     if "nightly" not in (config.option.markexpr or ""):
         nightly = [item for item in items if item.get_closest_marker("nightly")]
         if nightly:
