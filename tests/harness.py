@@ -51,7 +51,8 @@ def _worker(rank: int, world: int, port: int, jobs: Any, results: Any) -> None:
         while True:
             job = jobs.get()
             if job is None:
-                break
+                dist.destroy_process_group()
+                os._exit(0)  # every result was taken; skip the interpreter's slow teardown of torch
             fn, args, spatial = job
             try:
                 if spatial not in grids:
@@ -109,13 +110,20 @@ class RankPool:
             raise AssertionError(f"{getattr(fn, '__name__', fn)} failed on {self.world} ranks:{report}")
         return [got[r] for r in range(self.world)]
 
-    def close(self) -> None:
+    def close(self, deadline: float | None = None) -> None:
+        self.signal_end()
+        self.reap(time.monotonic() + 5.0 if deadline is None else deadline)
+
+    def signal_end(self) -> None:
+        """Ask every worker to leave (they end their process group and exit)."""
         for q in self.jobs:
             try:
                 q.put(None)
             except (OSError, ValueError):
                 pass
-        deadline = time.monotonic() + 5.0
+
+    def reap(self, deadline: float) -> None:
+        """Wait for the workers until ``deadline``, then kill the ones left."""
         for p in self.procs:
             p.join(timeout=max(0.1, deadline - time.monotonic()))
         for p in self.procs:
@@ -148,6 +156,10 @@ class Pools:
             raise
 
     def close(self) -> None:
+        """End every world at once (not one after another: each waits for its workers)."""
         for pool in self._pools.values():
-            pool.close()
+            pool.signal_end()
+        deadline = time.monotonic() + 5.0
+        for pool in self._pools.values():
+            pool.reap(deadline)
         self._pools.clear()
