@@ -169,7 +169,7 @@ class SpatialConv3d(SpatialMixin, nn.Conv3d):
                 plans: list[ExchangePlan | None]) -> torch.Tensor:
         for axis, plan in enumerate(plans):
             if plan is not None:
-                x = fetch(x, axis + 2, plan, 0.0)
+                x = fetch(x, axis + 2, plan, 0.0, own_grad=True)  # only the convolution reads the window
         if self.window_hook is not None:
             self.window_hook(self, x, pads)
         return conv3d(x, w, b, self.stride, pads, self.dilation, self.groups)
