@@ -213,8 +213,8 @@ def time_case(grid: Grid, case: Case, trials: int, peers: tuple[str, ...], paths
             skipped[name] = reason or "failed on another rank"
             continue
         runs[name] = (lambda r, xp: lambda: timed(xp, r, lambda yb, gg: yb[1](gg)))(run, xp)
-    times = interleaved(runs, trials, warmup=1, group=grid.spatial_group)
-    for key in ("", ".forward", ".backward"):
+    times = interleaved(runs, trials, warmup=1, group=grid.spatial_group, cpu=True)
+    for key in ("", ".forward", ".backward", ".cpu"):
         blocks = [times[k + key] for k in ("block_torch", "block_reordered", "block") if k + key in times]
         times["best_block" + key] = [min(v) for v in zip(*blocks)]
     timed_peers = [p for p in peers if p in runs]
@@ -223,9 +223,14 @@ def time_case(grid: Grid, case: Case, trials: int, peers: tuple[str, ...], paths
                            "over_block": {k: ratio(times[k], times["best_block"]) for k in (*projects, *timed_peers)}}
     out["backward_over_block"] = {k: ratio(times[k + ".backward"], times["best_block.backward"])
                                   for k in (*projects, *timed_peers)}
+    # CPU seconds of the process (all its threads): steadier on a shared machine, blind to
+    # time spent waiting for messages; beside the wall-clock ratios, not instead of them.
+    out["cpu_over_block"] = {k: ratio(times[k + ".cpu"], times["best_block.cpu"]) for k in (*projects, *timed_peers)}
     if timed_peers:
         best = [min(v) for v in zip(*(times[p] for p in timed_peers))]
         out["over_best_peer"] = {k: ratio(times[k], best) for k in projects}
+        best = [min(v) for v in zip(*(times[p + ".cpu"] for p in timed_peers))]
+        out["cpu_over_best_peer"] = {k: ratio(times[k + ".cpu"], best) for k in projects}
     return out
 
 
@@ -248,13 +253,14 @@ def command_args(p: argparse.ArgumentParser) -> None:
 
 
 def _table(rows: list[dict[str, Any]], absent: dict[str, str]) -> list[str]:
-    lines = [f"{'case':28} {'project/best peer':>18} {'project/block':>14} " +
+    lines = [f"{'case':28} {'project/best peer':>18} {'(cpu)':>6} {'project/block':>14} {'(cpu)':>6} " +
              " ".join(f"{p + '/block':>17}" for p in PEERS)]
     for r in rows:
-        best = r.get("over_best_peer", {}).get("project")
+        best = [r.get(k, {}).get("project") for k in ("over_best_peer", "cpu_over_best_peer")]
+        best_text = [f"{'-' if b is None else round(b, 3)!s}" for b in best]
         peers = " ".join(f"{r['over_block'][p]:17.3f}" if p in r["over_block"] else f"{'-':>17}" for p in PEERS)
-        lines.append(f"{r['case']:28} {'-' if best is None else round(best, 3)!s:>18} "
-                     f"{r['over_block']['project']:14.3f} {peers}")
+        lines.append(f"{r['case']:28} {best_text[0]:>18} {best_text[1]:>6} {r['over_block']['project']:14.3f} "
+                     f"{r['cpu_over_block']['project']:6.3f} {peers}")
         lines += [f"    {p}: skipped ({why})" for p, why in r["skipped"].items() if p not in absent]
     lines += [f"{p}: absent ({why}); skipped" for p, why in absent.items()]
     return lines
