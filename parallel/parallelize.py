@@ -216,7 +216,7 @@ def _cost_model() -> Any:
 def parallelize(model: nn.Module, grid: Grid, *, sync_batchnorm: bool = False,
                 bucket_mb: float = 25.0, seed: int | None = None, overlap_halo: bool | str | None = None,
                 recompute: bool = False, verify: Probe = None, input_shape: Sequence[int] | None = None,
-                shard_linear: bool = True, conv_path: str = "auto",
+                shard_linear: bool = True, conv_path: str = "shell",
                 conv_window_bytes: int | None = None) -> ParallelModule:
     """The hybrid-parallel form of ``model`` for ``grid`` (layers converted in place).
 
@@ -236,7 +236,10 @@ def parallelize(model: nn.Module, grid: Grid, *, sync_batchnorm: bool = False,
     the halos' contributions added), ``"window"`` (block and halos copied into one tensor,
     one convolution) or ``"auto"``: per layer, the faster of the two, timed at its first
     forward; ``conv_window_bytes`` caps the window copy a layer may keep (a memory budget;
-    larger windows take the shell) (``parallel.layers.convpath``, ``docs/performance.md``);
+    larger windows take the shell) (``parallel.layers.convpath``, ``docs/performance.md``).
+    The shell is the default: it holds no copy of the block, which the memory budget of a
+    training job (``parallel.memory_limit``) is predicted for; the window and the timing
+    trials of ``"auto"`` take more;
     ``recompute`` keeps only each block's input and recomputes the block in the backward
     (``parallel.recompute``): less memory, about one more forward of time.
     ``verify`` (a probe: True for one sized from the network, a shape (N, C, D, H, W), or a

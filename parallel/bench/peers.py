@@ -3,7 +3,7 @@
 Per case (an operator, kernel, stride, channels, cube edge and split), every contestant
 runs forward and backward on the same rank's block, interleaved trial by trial
 (``parallel.bench.timing.interleaved``): this project's split layer as a user runs it
-(``parallelize``, its gradient all-reduce included), the plain block convolution (the
+(``parallelize(..., conv_path="auto")``, its gradient all-reduce included), the plain block convolution (the
 rank's block with its halo already in place and no communication: the floor), and each
 peer that imports: PhysicsNeMo's ``ShardTensor`` and LBANN DistConv's ``DCTensor`` (under
 its ``DistConvDDP``, whose all-reduce is the counterpart of ours). Peers are not
@@ -170,7 +170,7 @@ def time_case(grid: Grid, case: Case, trials: int, peers: tuple[str, ...], paths
     shape = (1, case.channels, case.size, case.size, case.size)
     local = tuple(b - a for a, b in grid.block_range(shape[2:]))
     x = torch.randn(1, case.channels, *local, requires_grad=True)
-    pmodel = parallel.parallelize(copy.deepcopy(layer), grid)
+    pmodel = parallel.parallelize(copy.deepcopy(layer), grid, conv_path="auto")
     ref = pmodel(x).detach()
     g = torch.randn_like(ref)
 

@@ -59,7 +59,7 @@ class SpatialConv3d(SpatialMixin, nn.Conv3d):
     cost_model: Any = None
     overlap_chosen: bool | None = None
     """What ``overlap`` came to at the last geometry (``"auto"`` resolved), for reports."""
-    path: str = "auto"
+    path: str = "shell"
     """``"shell"``, ``"window"`` or ``"auto"`` (timed at the first forward per geometry):
     ``parallel.layers.convpath``; the overlapped exchange and a hooked layer fix the path."""
     window_limit_bytes: int | None = None

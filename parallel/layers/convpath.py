@@ -13,7 +13,8 @@ Both compute the same convolution of the rank's window (its block plus the halos
 
 On CPUs the window's one large call is often faster than the shell's thin ones (oneDNN
 runs thin convolutions at a fraction of its speed), but not always, and the window costs a
-block-sized copy of memory per layer. So ``path="auto"`` (the default) times both, forward
+block-sized copy of memory per layer. So ``path="auto"`` (opt-in: the shell, which
+keeps no copy, is the default that memory budgets are predicted for) times both, forward
 and backward, on the layer's own input at its first forward per geometry, the slowest rank
 of the spatial group deciding (one all-reduce, so all ranks take the same path), and takes
 the faster; a window larger than ``window_limit_bytes`` (a memory budget) is never chosen.
