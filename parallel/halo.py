@@ -157,15 +157,36 @@ def _reduce(y: torch.Tensor, dim: int, plan: ExchangePlan) -> torch.Tensor:
     return x
 
 
+def _reduce_in_place(y: torch.Tensor, dim: int, plan: ExchangePlan) -> torch.Tensor | None:
+    """``_reduce`` where the window holds the whole block in one piece: the block's rows of
+    ``y`` themselves (a view, no zeroed copy), the halos received added into them, as
+    LBANN DistConv does. Only for a ``y`` nobody else reads (it is written); None where the
+    plan has another shape (a trimmed block, a local wrap)."""
+    if len(plan.copies) != 1 or plan.copies[0][0] != 0 or plan.copies[0][2] != plan.in_len:
+        return None
+    if y.shape[dim] != plan.out_len:
+        raise RuntimeError(f"halo reduction expected a window of {plan.out_len} along dim {dim}, got {y.shape[dim]}")
+    x = y.narrow(dim, plan.copies[0][1], plan.in_len)
+    for buf, pieces in _communicate(y, dim, plan.recvs, plan.sends):  # the halos leave before the adds
+        offset = 0
+        for src, n in pieces:
+            x.narrow(dim, src, n).add_(buf.narrow(dim, offset, n))
+            offset += n
+    return x
+
+
 class _Fetch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, plan: ExchangePlan, fill: float) -> torch.Tensor:
-        ctx.dim, ctx.plan = dim, plan
+    def forward(ctx: Any, x: torch.Tensor, dim: int, plan: ExchangePlan, fill: float,
+                own_grad: bool = False) -> torch.Tensor:
+        ctx.dim, ctx.plan, ctx.own_grad = dim, plan, own_grad
         return _fetch(x, dim, plan, fill)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return _reduce(grad.contiguous(), ctx.dim, ctx.plan), None, None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
+        grad = grad.contiguous()
+        gx = _reduce_in_place(grad, ctx.dim, ctx.plan) if ctx.own_grad else None
+        return (_reduce(grad, ctx.dim, ctx.plan) if gx is None else gx), None, None, None, None
 
 
 class _Reduce(torch.autograd.Function):
@@ -179,12 +200,14 @@ class _Reduce(torch.autograd.Function):
         return _fetch(grad.contiguous(), ctx.dim, ctx.plan, 0.0), None, None
 
 
-def fetch(x: torch.Tensor, dim: int, plan: ExchangePlan, fill: float = 0.0) -> torch.Tensor:
+def fetch(x: torch.Tensor, dim: int, plan: ExchangePlan, fill: float = 0.0, own_grad: bool = False) -> torch.Tensor:
     """This rank's window along ``dim``: its block plus halos (or trimmed), padded with
-    ``fill`` outside the volume. Differentiable; the backward is the exact adjoint."""
+    ``fill`` outside the volume. Differentiable; the backward is the exact adjoint.
+    ``own_grad``: the window's gradient reaches this backward from one consumer only (a
+    convolution's), so the backward may write into it and return the block's rows of it."""
     if plan.is_identity and x.shape[dim] == plan.in_len:
         return x  # an aligned pooling window: no copy of the block
-    return _Fetch.apply(x, dim, plan, fill)
+    return _Fetch.apply(x, dim, plan, fill, own_grad)
 
 
 def reduce(y: torch.Tensor, dim: int, plan: ExchangePlan) -> torch.Tensor:

@@ -20,6 +20,7 @@ from parallel.grid import Grid
 from parallel.layers.adaptive import SpatialAdaptiveAvgPool3d, SpatialAdaptiveMaxPool3d
 from parallel.layers.base import SpatialMixin, convert
 from parallel.layers.conv import SpatialConv3d, SpatialConvTranspose3d
+from parallel.layers.convpath import check_path
 from parallel.layers.dropout import SpatialDropout, SpatialDropout3d
 from parallel.layers.linear import SpatialFlatten, SpatialLinear
 from parallel.layers.norm import SpatialBatchNorm3d, SpatialGroupNorm, SpatialInstanceNorm3d
@@ -215,7 +216,8 @@ def _cost_model() -> Any:
 def parallelize(model: nn.Module, grid: Grid, *, sync_batchnorm: bool = False,
                 bucket_mb: float = 25.0, seed: int | None = None, overlap_halo: bool | str | None = None,
                 recompute: bool = False, verify: Probe = None, input_shape: Sequence[int] | None = None,
-                shard_linear: bool = True) -> ParallelModule:
+                shard_linear: bool = True, conv_path: str = "shell",
+                conv_window_bytes: int | None = None) -> ParallelModule:
     """The hybrid-parallel form of ``model`` for ``grid`` (layers converted in place).
 
     ``sync_batchnorm`` makes BatchNorm statistics span the data groups too (the global
@@ -230,6 +232,14 @@ def parallelize(model: nn.Module, grid: Grid, *, sync_batchnorm: bool = False,
     block's columns of the weight (``shard_linear``, ``parallel.layers.linear``): the
     weight, gradient and optimiser state per rank fall by the split, and ``state_dict``
     gathers the whole weight (a collective over the spatial group);
+    ``conv_path`` is how split convolutions run: ``"shell"`` (the block convolved in place,
+    the halos' contributions added), ``"window"`` (block and halos copied into one tensor,
+    one convolution) or ``"auto"``: per layer, the faster of the two, timed at its first
+    forward; ``conv_window_bytes`` caps the window copy a layer may keep (a memory budget;
+    larger windows take the shell) (``parallel.layers.convpath``, ``docs/performance.md``).
+    The shell is the default: it holds no copy of the block, which the memory budget of a
+    training job (``parallel.memory_limit``) is predicted for; the window and the timing
+    trials of ``"auto"`` take more;
     ``recompute`` keeps only each block's input and recomputes the block in the backward
     (``parallel.recompute``): less memory, about one more forward of time.
     ``verify`` (a probe: True for one sized from the network, a shape (N, C, D, H, W), or a
@@ -237,6 +247,7 @@ def parallelize(model: nn.Module, grid: Grid, *, sync_batchnorm: bool = False,
     ``parallel.verify.VerificationError`` naming the first module whose output (or the
     first parameter whose gradient) differs (``parallel.verify``).
     """
+    check_path(conv_path, "parallelize")
     model.to(grid.device)
     serial = _serial_copy(model) if verify is not None and verify is not False else None
     shapes = ShapeTracker(grid)
@@ -255,9 +266,12 @@ def parallelize(model: nn.Module, grid: Grid, *, sync_batchnorm: bool = False,
         _seed_dropout(model, grid, seed)
         machine = _cost_model() if overlap_halo == "auto" else None
         for m in model.modules():
-            if isinstance(m, SpatialConv3d) and overlap_halo is not None:
-                m.overlap = overlap_halo
-                m.cost_model = machine
+            if isinstance(m, SpatialConv3d):
+                m.path = conv_path
+                m.window_limit_bytes = conv_window_bytes
+                if overlap_halo is not None:
+                    m.overlap = overlap_halo
+                    m.cost_model = machine
     if recompute:
         n_blocks = checkpoint_blocks(model)
         log.debug("recomputing %d blocks in the backward", n_blocks)

@@ -12,6 +12,7 @@ interleaved trials, so the load of other processes hits both sides of a ratio al
     python scripts/benchmark.py io               # bytes and MB/s: block vs whole vs raw read
     python scripts/benchmark.py loader           # share of the step spent waiting for data
     python scripts/benchmark.py calibrate        # measure this machine for parallel.plan
+    python scripts/benchmark.py peers --quick    # split layers vs block conv vs ShardTensor, DistConv
 
 Each runs in under 5 minutes on 2 cores with its defaults; ``--help`` on a subcommand
 lists its sizes.
@@ -52,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     for row in run(args):
         line = json.dumps(row)
         print(line, flush=True)
+        for text in row.get("table", ()):  # a table for people, beside the JSON for programs
+            print(text, file=sys.stderr, flush=True)
         if args.out is not None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             with open(args.out, "a", encoding="utf-8") as f:

@@ -132,6 +132,9 @@ RULES = [
     # -- performance
     Rule(r"^python -m parallel\.plan .*--alpha", "all", "the same tool as README's plan command, which CI runs"),
     Rule(r"^python -m parallel\.plan ", "ci"),
+    Rule(r"peers-venv", "skip", "installs the peers (not dependencies) from the registry into a scratch "
+         "environment; the peers command above runs without them (--all)"),
+    Rule(r"^python scripts/benchmark\.py peers$", "skip", "the full peers set takes hours on 2 cores (--quick runs)"),
     Rule(r"^python scripts/benchmark\.py ", "all", "as written (minutes each)", timeout=3600),
     Rule(r"^python scripts/compare_optim\.py ", "all", "as written: the sweep and the 12 runs take 15-30 minutes each",
          timeout=3600),

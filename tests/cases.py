@@ -42,13 +42,15 @@ def _local_target(target: torch.Tensor, grid: Grid) -> torch.Tensor:
 
 def check_module(grid: Grid, build: Callable[[], nn.Module], shape: tuple[int, ...], seed: int = 0,
                  sync_batchnorm: bool = False, eval_after: bool = False, steps: int = 1,
-                 dtype: torch.dtype = torch.float32, overlap: bool | None = None) -> dict[str, Any]:
+                 dtype: torch.dtype = torch.float32, overlap: bool | None = None,
+                 conv_path: str = "auto") -> dict[str, Any]:
     """Parallel vs serial: outputs, input gradients, parameter gradients, buffers.
 
     The serial reference of data group ``d`` is the serial module applied to that group's
     rows (BatchNorm statistics per group), unless ``sync_batchnorm``; the parameter
     gradient is the mean over data groups of their gradients. In float64 the tolerance is
-    ``RTOL64`` (sums in another order); ``overlap`` is ``parallelize``'s ``overlap_halo``.
+    ``RTOL64`` (sums in another order); ``overlap`` and ``conv_path`` are ``parallelize``'s
+    ``overlap_halo`` and ``conv_path``.
     """
     torch.manual_seed(seed)
     # the grid's device: the CPU, or a GPU under SPATIALCNN_TEST_DEVICE=cuda
@@ -61,7 +63,8 @@ def check_module(grid: Grid, build: Callable[[], nn.Module], shape: tuple[int, .
     groups = 1 if sync_batchnorm else grid.data_size
     rows = parallel.block_bounds(shape[0], groups)
     replicas = [copy.deepcopy(serial) for _ in rows]
-    pmodel = parallel.parallelize(model, grid, sync_batchnorm=sync_batchnorm, overlap_halo=overlap)
+    pmodel = parallel.parallelize(model, grid, sync_batchnorm=sync_batchnorm, overlap_halo=overlap,
+                                 conv_path=conv_path)
     errors: dict[str, float] = {}
     for step in range(steps):
         xs = x.clone().requires_grad_(True)

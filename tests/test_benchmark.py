@@ -158,3 +158,27 @@ def test_busy_layer_times_take_the_slowest_rank_only_for_split_layers():
     mean = run_ranks(2, _uneven_layer, False, timeout=120)
     assert slowest[0] == slowest[1] and 0.05 <= slowest[0] < 0.09
     assert mean[0] == mean[1] and 0.025 <= mean[0] < 0.045
+
+
+def test_peers_prints_the_project_and_block_rows_and_names_absent_peers():
+    """One tiny case: the project's split conv (as parallelised, and on each forced path)
+    against the block floor, ratios > 0; every peer this interpreter cannot import is
+    reported absent (in the summary and the table) and skipped."""
+    sys.path.insert(0, str(ROOT))
+    from parallel.bench.peers import peer_status
+
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark.py"), "peers", "--cases",
+                          "conv-k3-s1-D-c2-n8", "--trials", "1"], capture_output=True, text=True, timeout=240,
+                         check=True, cwd=ROOT)
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    row, summary = rows[0], rows[-1]
+    assert row["kind"] == "peers" and row["case"] == "conv-k3-s1-D-c2-n8" and row["local_block"] == [4, 8, 8]
+    assert set(row["over_block"]) >= {"project", "project_shell", "project_window"}
+    assert all(v > 0 for v in row["over_block"].values())
+    assert row["seconds"]["best_block"] <= min(row["seconds"]["block_torch"], row["seconds"]["block_reordered"])
+    absent = {p for p, why in peer_status().items() if why is not None}
+    assert set(summary["absent"]) == absent and summary["kind"] == "summary"
+    for p in absent:
+        assert f"{p}: absent (" in out.stderr
+    assert summary["project_over_block_conv-k3-s1-D-c2-n8"] == row["over_block"]["project"]
+    assert any(line.startswith("conv-k3-s1-D-c2-n8") for line in summary["table"])

@@ -3,7 +3,8 @@
 Every conv case of tests/test_layers.py runs again in float64, with the halo exchange
 blocking and overlapped, against torch.nn (the layer tests run the default path in
 float32), and must have taken the shell path (the block convolved in place, the halos'
-contributions added; no window formed). Recomputation is compared with none.
+contributions added; no window formed); and again on the window path (block and halos
+copied, one convolution), and on the timed choice between them (``conv_path="auto"``). Recomputation is compared with none.
 """
 
 import math
@@ -23,6 +24,28 @@ def test_shell_conv_equals_serial_in_float64(pools, case, overlap):
     assert all(r["shell_taken"] for r in results), f"{case_id}: a rank fetched the whole window"
     for r in results:  # overlapped wherever messages travel (a 1-wide kernel or a local wrap sends none)
         assert r["overlapped"] == [overlap and t for t in r["talks"]], (case_id, r["overlapped"], r["talks"])
+
+
+@pytest.mark.parametrize("case", CONV, ids=[c[0] for c in CONV])
+def test_window_conv_equals_serial_in_float64(pools, case):
+    """The window path (block and halos copied into one tensor, one convolution): output,
+    input gradient and weight gradients equal torch.nn's on the gathered volume."""
+    case_id, build, shape, spatial = case
+    paths = pools.run(math.prod(spatial), overlap_cases.conv_path, build, shape, "window", spatial=spatial)
+    assert all(p == ["window"] for p in paths), (case_id, paths)
+
+
+@pytest.mark.parametrize("case", [CONV[2], CONV[17]], ids=[CONV[2][0], CONV[17][0]])
+def test_auto_conv_path_equals_serial_and_respects_the_window_budget(pools, case):
+    """``conv_path="auto"`` times both paths and takes one, alike on every rank; equal to
+    torch.nn either way. A window budget of 0 bytes leaves only the shell, even where the
+    window is asked for."""
+    case_id, build, shape, spatial = case
+    world = math.prod(spatial)
+    paths = pools.run(world, overlap_cases.conv_path, build, shape, "auto", spatial=spatial)
+    assert all(p == paths[0] for p in paths) and paths[0][0] in ("shell", "window"), (case_id, paths)
+    paths = pools.run(world, overlap_cases.conv_path, build, shape, "window", 0, spatial=spatial)
+    assert all(p == ["shell"] for p in paths), (case_id, paths)
 
 
 @pytest.mark.parametrize("spatial,world", [((1, 1, 1), 1), ((1, 2, 1), 4)], ids=["serial", "data2-spatial2"])

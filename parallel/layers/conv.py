@@ -16,6 +16,7 @@ CPU blocks on oneDNN.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Literal
 
 import torch
@@ -25,8 +26,11 @@ from torch import nn
 from parallel.halo import ExchangePlan, fetch, reduce
 from parallel.layers.kernels import conv3d
 from parallel.layers.base import SpatialMixin, sliding_windows
+from parallel.layers.convpath import check_path, faster_path, window_bytes
 from parallel.layers.shellconv import ShellConv, ShellGeometry, shell_geometry
 from parallel.partition import DIM_NAMES, SplitError, block_bounds
+
+log = logging.getLogger(__name__)
 
 
 def conv_pads(conv: nn.Conv3d, axis: int) -> tuple[int, int]:
@@ -55,6 +59,13 @@ class SpatialConv3d(SpatialMixin, nn.Conv3d):
     cost_model: Any = None
     overlap_chosen: bool | None = None
     """What ``overlap`` came to at the last geometry (``"auto"`` resolved), for reports."""
+    path: str = "shell"
+    """``"shell"``, ``"window"`` or ``"auto"`` (timed at the first forward per geometry):
+    ``parallel.layers.convpath``; the overlapped exchange and a hooked layer fix the path."""
+    window_limit_bytes: int | None = None
+    """The most bytes a window copy may take (None: no limit); larger ones take the shell."""
+    path_chosen: str | None = None
+    """The path the last forward took, for reports."""
     window_hook: Callable[..., Any] | None = None
     """``hook(layer, window, pads)``: the input window the kernel convolves (halos fetched,
     padding materialised along split dims) and the padding it still applies; set by
@@ -109,18 +120,68 @@ class SpatialConv3d(SpatialMixin, nn.Conv3d):
 
         return overlap_pays(self.cost_model, self, shell, tuple(x.shape))
 
+    def _path(self, x: torch.Tensor, pads: tuple[int, ...], plans: list[ExchangePlan | None],
+              shell: ShellGeometry | None, overlap: bool) -> str:
+        """The path this geometry takes (``parallel.layers.convpath``)."""
+        if shell is None or self.window_hook is not None:
+            return "window"
+        path = check_path(self.path, self.where)
+        if overlap or path == "shell":
+            return "shell"
+        shape = list(x.shape)
+        for axis, plan in enumerate(plans):
+            if plan is not None:
+                shape[axis + 2] = plan.out_len
+        if self.window_limit_bytes is not None and window_bytes(x, tuple(shape)) > self.window_limit_bytes:
+            return "shell"
+        if path == "window":
+            return "window"
+        cache = self.__dict__.setdefault("_path_cache", {})
+        key = (tuple(x.shape), x.dtype, torch.is_autocast_enabled(x.device.type), self.overlap)
+        if key not in cache:
+            cache[key] = self._measure(x, pads, plans, shell)
+        return cache[key]  # type: ignore[no-any-return]
+
+    def _measure(self, x: torch.Tensor, pads: tuple[int, ...], plans: list[ExchangePlan | None],
+                 shell: ShellGeometry) -> str:
+        xs = x.detach().requires_grad_(True)
+        w = self.weight.detach().requires_grad_(True)
+        b = None if self.bias is None else self.bias.detach().requires_grad_(True)
+        inputs = [t for t in (xs, w, b) if t is not None]
+
+        def run(path: str) -> Callable[[], None]:
+            def go() -> None:
+                # Identity hooks over any outer ones: inside a checkpointed block (parallel.recompute)
+                # the trial's own graph keeps its tensors, and the checkpoint counts none of them.
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                    y = self._shell(xs, w, b, shell, False) if path == "shell" else self._window(xs, w, b, pads, plans)
+                    torch.autograd.grad(y, inputs, torch.ones_like(y))
+            return go
+        chosen, secs = faster_path(run("shell"), run("window"), self.grid.spatial_group, x.device)
+        log.debug("%s: %s path (shell %.4g s, window %.4g s forward+backward)", self.where, chosen, *secs)
+        return chosen
+
+    def _shell(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, shell: ShellGeometry,
+               overlap: bool) -> torch.Tensor:
+        return ShellConv.apply(x, w, b, shell, (self.stride, self.dilation, self.groups), overlap)
+
+    def _window(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, pads: tuple[int, ...],
+                plans: list[ExchangePlan | None]) -> torch.Tensor:
+        for axis, plan in enumerate(plans):
+            if plan is not None:
+                x = fetch(x, axis + 2, plan, 0.0, own_grad=True)  # only the convolution reads the window
+        if self.window_hook is not None:
+            self.window_hook(self, x, pads)
+        return conv3d(x, w, b, self.stride, pads, self.dilation, self.groups)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dims = self.global_dims(x)
         pads, plans, shell, overlap = self.cached((dims, self.overlap), lambda: self._geometry(dims, x))  # type: ignore[misc]
-        if shell is not None and self.window_hook is None:
-            return ShellConv.apply(x, self.weight, self.bias, shell, (self.stride, self.dilation, self.groups),
-                                   overlap)
-        for axis, plan in enumerate(plans):
-            if plan is not None:
-                x = fetch(x, axis + 2, plan, 0.0)
-        if self.window_hook is not None:
-            self.window_hook(self, x, pads)
-        return conv3d(x, self.weight, self.bias, self.stride, pads, self.dilation, self.groups)
+        self.path_chosen = self._path(x, pads, plans, shell, overlap)
+        if self.path_chosen == "shell":
+            assert shell is not None
+            return self._shell(x, self.weight, self.bias, shell, overlap)
+        return self._window(x, self.weight, self.bias, pads, plans)
 
 
 class SpatialConvTranspose3d(SpatialMixin, nn.ConvTranspose3d):
