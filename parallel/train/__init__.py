@@ -25,7 +25,9 @@ Split by concern, one idea a module:
   torchrun: re-grid, resume, one MLPerf log);
 - what a run keeps and tells: ``state`` (what a checkpoint holds), ``checkpoint``
   (files), ``rng`` (the RNG streams' layout in a checkpoint), ``report``
-  (metrics.jsonl, TensorBoard, summary), ``mlperf`` (the MLPerf log), ``sweep`` (Hydra
+  (metrics.jsonl, TensorBoard, summary), ``steptime`` (each step's compute, halo exchange,
+  gradient all-reduce and data waiting), ``profile`` (``train.profile``: a torch.profiler
+  trace per rank), ``mlperf`` (the MLPerf log), ``sweep`` (Hydra
   sweeps: a table of jobs);
 - after training: ``predict`` (the set-up every family's predict command shares).
 """
