@@ -16,8 +16,9 @@ Split by concern, one idea a module:
   first step, and on CPUs the budget held while the job runs),
   ``rundir`` (the run-directory rule);
 - the run: ``lifecycle`` (the process: start, watchdog, failure, exit codes), ``loop``
-  (the trainer's run), ``step`` (one step and its non-finite guard), ``gradnorm`` (the
-  whole model's gradient norm, from which every rank takes the same decisions),
+  (the trainer's run), ``step`` (one step and its non-finite guard), ``compiled``
+  (``train.compile``: the split model under torch.compile, or the reason it is refused),
+  ``gradnorm`` (the whole model's gradient norm, from which every rank takes the same decisions),
   ``scaler`` (fp16 loss scaling decided from that norm), ``data`` (readers and batches),
   ``prefetch`` (batches copied to the GPU a step ahead), ``optim`` (optimiser and
   schedule), ``evaluate``, ``stopsignal`` (a signal such as Slurm's time-limit warning:

@@ -26,6 +26,7 @@ from parallel.infer import evaluation_due
 from parallel.random_draws import stream_seed
 from parallel.train import checkpoint, elastic, rng, stopsignal
 from parallel.train.checks import InputError, JobChecks
+from parallel.train.compiled import compile_model
 from parallel.train.config import JobConfig
 from parallel.train.data import build_data, fixed_shapes
 from parallel.train.evaluate import evaluate
@@ -99,6 +100,7 @@ class Trainer:
             self.model, grid, seed=cfg.train.seed, overlap_halo=cfg.parallel.overlap_halo,
             recompute=cfg.train.activation_checkpointing, input_shape=(facts.channels, *self.data.volume),
             shard_linear=str(cfg.optim.name) != "kfac"), grid)
+        compile_model(self.pmodel, cfg.train.compile)  # train.compile: after the eager model's verification
         reset_peak_memory(grid.device)  # the summary's peaks are training's, not the float64 verification's
         # one global stream per data group, alike on the ranks of a spatial group (the serial run's for
         # data group 0): random draws in a network's forward (stochastic depth) equal the serial run's

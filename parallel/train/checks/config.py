@@ -56,6 +56,15 @@ def validate_config(cfg: JobConfig) -> None:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     _validate_crop_and_eval(cfg)
+    import torch
+
+    from parallel.train.compiled import refusal
+
+    gpu = cfg.parallel.backend == "nccl" or (cfg.parallel.backend is None and torch.cuda.is_available())
+    why = refusal(cfg.train.compile, str(cfg.optim.name), bool(cfg.train.activation_checkpointing),
+                  "cuda" if gpu else "cpu")
+    if why:
+        raise ConfigError(why)
     if str(cfg.optim.name) == "kfac":
         _validate_kfac(cfg)
 
