@@ -30,7 +30,7 @@ from typing import Any, Callable, Literal, Sequence
 import torch
 
 from parallel import comm
-from parallel.comm.timing import HALO, mark_background_thread, region
+from parallel.comm.timing import HALO, mark_background_thread, overlapped, region
 from parallel.nested import tensors as _tensors
 from parallel.partition import block_bounds, window_segments
 
@@ -286,7 +286,7 @@ def in_background(fn: Callable[..., Any], *args: Any) -> Any:
         if side is None:
             side = _side_streams[x.device.index] = torch.cuda.Stream(x.device)
         side.wait_stream(main)  # the inputs are complete on the caller's stream
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), overlapped():  # the step counts its wait for the result, not this
             value = fn(*args)
         for a in _tensors(args):  # made on the caller's stream, read on the side stream
             a.record_stream(side)

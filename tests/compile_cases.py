@@ -35,6 +35,8 @@ def compiled_equals_eager(grid: Grid, backend: str) -> dict[str, Any]:
     eager = parallel.parallelize(copy.deepcopy(serial), grid, input_shape=(2, 8, 8, 8))
     compiled = parallel.parallelize(copy.deepcopy(serial), grid, input_shape=(2, 8, 8, 8))
     compile_model(compiled, backend)
+    recomputed = parallel.parallelize(copy.deepcopy(serial), grid, input_shape=(2, 8, 8, 8), recompute=True)
+    compile_model(recomputed, backend)  # train.activation_checkpointing: blocks under torch.utils.checkpoint
     captured: list[torch.fx.GraphModule] = []
 
     def counting(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
@@ -42,16 +44,17 @@ def compiled_equals_eager(grid: Grid, backend: str) -> dict[str, Any]:
         return gm.forward
 
     counted = parallel.parallelize(copy.deepcopy(serial), grid, input_shape=(2, 8, 8, 8))
-    counted.module.compile(backend=counting)
+    compile_model(counted, counting)  # what train.compile runs, with a backend that counts the graphs
     for seed in (1, 2):
         torch.manual_seed(seed)
         xb = parallel.scatter(torch.randn(2, 2, 8, 8, 8), grid)
         out_e, grads_e = _run(eager, xb)
-        out_c, grads_c = _run(compiled, xb)
-        # float32; a compiler may fuse and reorder the pointwise work: relative 1e-5
-        torch.testing.assert_close(out_c, out_e, rtol=1e-5, atol=1e-6)
-        for g_c, g_e in zip(grads_c, grads_e):
-            torch.testing.assert_close(g_c, g_e, rtol=1e-5, atol=1e-6)
+        for model in (compiled, recomputed):
+            out_c, grads_c = _run(model, xb)
+            # float32; a compiler may fuse and reorder the pointwise work: relative 1e-5
+            torch.testing.assert_close(out_c, out_e, rtol=1e-5, atol=1e-6)
+            for g_c, g_e in zip(grads_c, grads_e):
+                torch.testing.assert_close(g_c, g_e, rtol=1e-5, atol=1e-6)
         if seed == 1:
             _run(counted, xb)
     targets = [str(n.target) for gm in captured for n in gm.graph.nodes if n.op == "call_function"]

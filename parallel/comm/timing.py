@@ -14,9 +14,9 @@ wait for it (``parallel.gradsync``) as ``ALLREDUCE``. Each region is
 How it is timed, and why it adds up: on the CPU (gloo) every call blocks the thread that
 makes it, so the host's monotonic clock around the call is the time the step spent in it,
 waiting for the neighbour included; nothing is synchronised for the measurement. Only the
-outermost region counts (no time is counted twice), and regions on the halo helper thread
-(an exchange overlapped with computation) do not count: what the step loses to them is the
-wait for their result, which is a region of its own. So the regions are disjoint intervals
+outermost region counts (no time is counted twice), and regions of an exchange overlapped
+with computation (on the halo helper thread; on CUDA, queued on the side stream) do not
+count: what the step loses to them is the wait for their result, a region of its own. So the regions are disjoint intervals
 of the step, and their sum never exceeds it. On CUDA (NCCL) a call returns once queued, so
 the host clock would see only the launch: there each region records a pair of CUDA events
 on the current stream, and ``StepClock.stop`` reads their elapsed times once the step's
@@ -27,9 +27,10 @@ overlapped with other kernels.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -49,6 +50,18 @@ def mark_background_thread() -> None:
     _local.background = True
 
 
+@contextlib.contextmanager
+def overlapped() -> Iterator[None]:
+    """Inside, this thread's regions overlap the step's work (an exchange queued on a CUDA
+    side stream by ``parallel.halo.in_background``): named, not counted."""
+    before = getattr(_local, "background", False)
+    _local.background = True
+    try:
+        yield
+    finally:
+        _local.background = before
+
+
 class region:
     """``with region(HALO): ...``: a named profiler range, timed into the running ``StepClock``."""
 
@@ -58,7 +71,6 @@ class region:
         self.kind = kind
         self.label = label or f"parallel.{kind}"
 
-    @torch.compiler.disable  # host clocks: under train.compile, run as they are (no guard on a time)
     def __enter__(self) -> "region":
         self._rf = torch.profiler.record_function(self.label)
         self._rf.__enter__()
@@ -74,7 +86,6 @@ class region:
                 self._t0 = time.monotonic()
         return self
 
-    @torch.compiler.disable
     def __exit__(self, *exc: Any) -> None:
         clock = self._clock
         if clock is not None:
@@ -86,6 +97,19 @@ class region:
             else:
                 clock.totals[self.kind] += time.monotonic() - self._t0
         self._rf.__exit__(*exc)
+
+
+def keep_out_of_compile() -> None:
+    """Make Dynamo run the regions as they are instead of tracing them (``torch.compile``
+    of a split model: ``parallel.train.compiled``). Traced, a region's clock reading became
+    a guard on its value, and every call recompiled. Done on demand, not at import, since
+    ``torch.compiler.disable`` imports Dynamo: a second of start-up for every process."""
+    for name in ("__enter__", "__exit__"):
+        fn = getattr(region, name)
+        if not getattr(fn, "_parallel_kept_out", False):
+            wrapped = torch.compiler.disable(fn)
+            wrapped._parallel_kept_out = True  # type: ignore[attr-defined]
+            setattr(region, name, wrapped)
 
 
 class StepClock:

@@ -15,9 +15,8 @@ hooks run in the backward as before. The start-up verification
 Refused before the job starts (``ConfigError``, exit 2), naming the reason: a backend
 this torch does not have; Inductor on the CPU without a C++ compiler on PATH (it builds
 its kernels with one); K-FAC (its hooks capture each layer's inputs and output
-gradients: not proven under compilation) and ``train.activation_checkpointing`` (a
-recomputed block holds halo exchanges, which a compiled checkpoint region cannot break
-at).
+gradients: not proven under compilation). ``train.activation_checkpointing`` compiles
+too (the tests compare it with eager).
 """
 
 from __future__ import annotations
@@ -30,14 +29,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from parallel.comm.timing import keep_out_of_compile
+
 log = logging.getLogger("parallel.train")
 
 COMPILERS = ("c++", "g++", "clang++")
 """What Inductor's CPU code generation calls (``CXX`` first, where set)."""
 
 
-def backend_of(value: Any) -> str | None:
-    """The backend ``train.compile`` asks for (None: off)."""
+def backend_of(value: Any) -> Any:
+    """The backend ``train.compile`` asks for: a name, a callable (a backend of one's own, as
+    ``torch.compile`` takes it), or None (off)."""
+    if callable(value):
+        return value
     if value is False or value is None or str(value).lower() in ("false", "off", "none", ""):
         return None
     if value is True or str(value).lower() == "true":
@@ -45,10 +49,10 @@ def backend_of(value: Any) -> str | None:
     return str(value)
 
 
-def refusal(value: Any, optimizer: str, recompute: bool, device_type: str = "cpu") -> str | None:
+def refusal(value: Any, optimizer: str, device_type: str = "cpu") -> str | None:
     """Why ``train.compile=value`` cannot run here (None: it can)."""
     backend = backend_of(value)
-    if backend is None:
+    if backend is None or callable(backend):
         return None
     key = f"train.compile={str(value).lower() if isinstance(value, bool) else value}"  # as typed
     known = torch.compiler.list_backends(exclude_tags=None)  # aot_eager is tagged "debug"
@@ -64,9 +68,6 @@ def refusal(value: Any, optimizer: str, recompute: bool, device_type: str = "cpu
     if optimizer == "kfac":
         return f"{key} with optim.name=kfac: K-FAC's hooks capture each layer's inputs and output gradients, " \
                "which is not proven under torch.compile; use one or the other"
-    if recompute:
-        return f"{key} with train.activation_checkpointing=true: a recomputed block holds halo exchanges, " \
-               "which a compiled checkpoint region cannot break at; use one or the other"
     return None
 
 
@@ -77,7 +78,8 @@ def compile_model(pmodel: nn.Module, value: Any) -> None:
     backend = backend_of(value)
     if backend is None:
         return
+    keep_out_of_compile()  # the step-time regions' clocks stay outside the graphs
     inner = getattr(pmodel, "module", pmodel)
     inner.compile(backend=backend)
-    log.info("train.compile: the split model compiled with %s (the graph breaks at each halo exchange and "
-             "spatial sum; the first steps take the compilation)", backend)
+    log.info("train.compile: the split model compiled with %s (the graph breaks at each halo exchange; "
+             "the first steps take the compilation)", getattr(backend, "__name__", backend))

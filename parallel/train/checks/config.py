@@ -61,8 +61,7 @@ def validate_config(cfg: JobConfig) -> None:
     from parallel.train.compiled import refusal
 
     gpu = cfg.parallel.backend == "nccl" or (cfg.parallel.backend is None and torch.cuda.is_available())
-    why = refusal(cfg.train.compile, str(cfg.optim.name), bool(cfg.train.activation_checkpointing),
-                  "cuda" if gpu else "cpu")
+    why = refusal(cfg.train.compile, str(cfg.optim.name), "cuda" if gpu else "cpu")
     if why:
         raise ConfigError(why)
     if str(cfg.optim.name) == "kfac":
