@@ -3,14 +3,15 @@
 ``train.compile=true`` compiles the converted model in place with TorchInductor
 (``nn.Module.compile``: the parameters, the state_dict keys and the checkpoints stay the
 serial model's); ``train.compile=<backend>`` names another of
-``torch.compiler.list_backends()`` (``aot_eager`` traces forward and backward through
-AOT autograd without generating code: the tests' choice, since Inductor's first C++
-build takes minutes on a small CPU). The communication (the halo exchanges, the spatial
-sums of Flatten+Linear and the normalisation statistics) is ``torch.autograd.Function``s
-calling ``torch.distributed``, which Dynamo does not trace: the graph breaks there, the
-exchanges run eagerly, and the computation between them is compiled. The gradient sync's
-hooks run in the backward as before. The start-up verification
-(``parallel.verify``) checks the eager model; the tests check compiled against eager.
+``torch.compiler.list_backends(exclude_tags=None)`` (``aot_eager`` traces forward and
+backward through AOT autograd without generating code: the tests' choice, since
+Inductor's first C++ build takes minutes on a small CPU). The halo exchanges are
+``torch.autograd.Function``s sending point-to-point messages, which Dynamo does not
+trace: the graph breaks there, the exchanges run eagerly, and the computation between
+them is compiled. A plain all-reduce or all-gather (the split layers' sums, the block
+sizes) Dynamo may trace into a graph as a functional collective. The gradient sync's
+hooks run in the backward as before. The start-up verification (``parallel.verify``)
+checks the eager model; the tests check compiled against eager.
 
 Refused before the job starts (``ConfigError``, exit 2), naming the reason: a backend
 this torch does not have; Inductor on the CPU without a C++ compiler on PATH (it builds
@@ -57,8 +58,9 @@ def refusal(value: Any, optimizer: str, device_type: str = "cpu") -> str | None:
     key = f"train.compile={str(value).lower() if isinstance(value, bool) else value}"  # as typed
     known = torch.compiler.list_backends(exclude_tags=None)  # aot_eager is tagged "debug"
     if backend not in known:
-        return f"{key}: torch {torch.__version__} has no compile backend {backend!r}; choose true (inductor) or " \
-               f"one of {', '.join(known)}, or false"
+        usual = sorted(set(torch.compiler.list_backends()) | {"aot_eager"})  # not the debugging ones
+        return f"{key}: torch {torch.__version__} has no compile backend {backend!r}; choose true (inductor), " \
+               f"one of {', '.join(usual)}, or false"
     if backend == "inductor" and device_type == "cpu":
         wanted = [os.environ["CXX"]] if os.environ.get("CXX") else list(COMPILERS)
         if not any(shutil.which(c) for c in wanted):
