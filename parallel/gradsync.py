@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from parallel import comm
+from parallel.comm.timing import ALLREDUCE, region
 
 log = logging.getLogger("parallel")
 
@@ -136,6 +137,10 @@ class GradSync:
             self._finish()
 
     def _launch(self, i: int) -> None:
+        with region(ALLREDUCE):  # named in traces, timed into the step's breakdown (parallel.comm.timing)
+            self._launch_bucket(i)
+
+    def _launch_bucket(self, i: int) -> None:
         bucket = self.buckets[i]
         in_place = self._in_place(i)
         # Gradients replaced since the forward (set by hand, or no prepare()): a packed copy.
@@ -144,6 +149,10 @@ class GradSync:
         self.works.append((work, flat, bucket, in_place))
 
     def _finish(self) -> None:
+        with region(ALLREDUCE):  # the wait for every bucket's all-reduce: what the backward did not hide
+            self._finish_buckets()
+
+    def _finish_buckets(self) -> None:
         for work, flat, bucket, in_place in self.works:
             if work is not None:
                 work.wait()

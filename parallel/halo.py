@@ -30,6 +30,7 @@ from typing import Any, Callable, Literal, Sequence
 import torch
 
 from parallel import comm
+from parallel.comm.timing import HALO, mark_background_thread, overlapped, region
 from parallel.nested import tensors as _tensors
 from parallel.partition import block_bounds, window_segments
 
@@ -244,6 +245,23 @@ def _forget_executor() -> None:  # a forked child (a DataLoader worker) has no h
 os.register_at_fork(after_in_child=_forget_executor)
 
 
+class _Waited:
+    """A background chain whose ``result()`` wait is a halo-exchange region (``parallel.comm.timing``):
+    the part of the exchange the computation meanwhile did not hide."""
+
+    def __init__(self, pending: Any) -> None:
+        self.pending = pending
+
+    def result(self) -> Any:
+        with region(HALO, "parallel.halo_exchange_wait"):
+            return self.pending.result()
+
+
+def _start_halo_thread(threads: int) -> None:
+    torch.set_num_threads(threads)
+    mark_background_thread()  # its exchanges overlap the step: the step counts its wait for them
+
+
 class _Done:
     """A chain that already ran (devices other than the CPU and CUDA)."""
 
@@ -291,16 +309,16 @@ def in_background(fn: Callable[..., Any], *args: Any) -> Any:
         if side is None:
             side = _side_streams[x.device.index] = torch.cuda.Stream(x.device)
         side.wait_stream(main)  # the inputs are complete on the caller's stream
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), overlapped():  # the step counts its wait for the result, not this
             value = fn(*args)
         for a in _tensors(args):  # made on the caller's stream, read on the side stream
             a.record_stream(side)
-        return _OnSideStream(value, side, main)
+        return _Waited(_OnSideStream(value, side, main))
     if x.device.type != "cpu":
         return _Done(fn(*args))
     global _executor
     if _executor is None:
         threads = torch.get_num_threads()
         _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="halo",
-                                       initializer=torch.set_num_threads, initargs=(threads,))
-    return _executor.submit(fn, *args)
+                                       initializer=_start_halo_thread, initargs=(threads,))
+    return _Waited(_executor.submit(fn, *args))

@@ -98,6 +98,12 @@ RULES = [
     Rule(r"^mpirun .*parallel\.selfcheck", "all"),
     Rule(r"^srun .*parallel\.selfcheck", "all", "the Slurm stand-in (tests/slurm/srun)", slurm=True),
     # -- training
+    Rule(r"train\.profile=", "all", "2 steps on data/cosmo32 (a trace of 1)",
+         append="data.dir=data/cosmo32 train.max_steps=2 train.global_batch_size=4 run.progress=false"),
+    Rule(r"^python scripts/trace_png\.py", "all", "draws the train.profile run above, into the scratch folder",
+         sub=((r"--out \S+", "--out trace.png"),)),
+    Rule(r"train\.compile=", "all", "steps on data/cosmo32, Inductor's first C++ build included", timeout=1800,
+         append="data.dir=data/cosmo32 train.max_steps=4 train.global_batch_size=4 run.progress=false"),
     Rule(r"hydra/launcher=spatial_local", "all", "2 jobs of 2 ranks, 2 steps each", append=COSMO_SMALL),
     Rule(r"^python -m cosmoflow\.train -m ", "ci", "a 2-job sweep of 2 steps", append=COSMO_SMALL),
     Rule(r"^python -m cosmoflow\.train \.\.\. parallel\.spatial=auto","all", "'...' is data.dir=data/cosmo32",

@@ -50,6 +50,8 @@ TIERS = {
     "test_public_api": "launch",
     "test_rng_restore": "unit",
     "test_startup": "unit",
+    "test_step_time": "unit",
+    "test_compile": "ranks",
     "test_benchmark": "launch",
     "test_cluster_placement": "unit",
     "test_cluster_scripts": "launch",

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from parallel.comm.checks import (CommError, caller_name, check_for_group, group_backend, group_device,
                                   group_size, initialized)
+from parallel.comm.timing import HALO, region
 
 Op = Literal["sum", "avg", "max", "min"]
 _MAX_DIMS = 8  # all_gather_varlen's header: the number of dims, then up to 8 sizes
@@ -189,5 +190,6 @@ def exchange(sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[in
                 raise CommError(f"{caller or caller_name()}: a {kind} to/from this rank itself ({me})")
             check_for_group(t, group, caller, what=f"{kind} for rank {peer}")
             ops.append(dist.P2POp(fn, t, peer, group))
-    for request in dist.batch_isend_irecv(ops):
-        request.wait()
+    with region(HALO):  # named in traces, timed into the step's breakdown (parallel.comm.timing)
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()

@@ -16,8 +16,9 @@ Split by concern, one idea a module:
   first step, and on CPUs the budget held while the job runs),
   ``rundir`` (the run-directory rule);
 - the run: ``lifecycle`` (the process: start, watchdog, failure, exit codes), ``loop``
-  (the trainer's run), ``step`` (one step and its non-finite guard), ``gradnorm`` (the
-  whole model's gradient norm, from which every rank takes the same decisions),
+  (the trainer's run), ``step`` (one step and its non-finite guard), ``compiled``
+  (``train.compile``: the split model under torch.compile, or the reason it is refused),
+  ``gradnorm`` (the whole model's gradient norm, from which every rank takes the same decisions),
   ``scaler`` (fp16 loss scaling decided from that norm), ``data`` (readers and batches),
   ``prefetch`` (batches copied to the GPU a step ahead), ``optim`` (optimiser and
   schedule), ``evaluate``, ``stopsignal`` (a signal such as Slurm's time-limit warning:
@@ -25,7 +26,9 @@ Split by concern, one idea a module:
   torchrun: re-grid, resume, one MLPerf log);
 - what a run keeps and tells: ``state`` (what a checkpoint holds), ``checkpoint``
   (files), ``rng`` (the RNG streams' layout in a checkpoint), ``report``
-  (metrics.jsonl, TensorBoard, summary), ``mlperf`` (the MLPerf log), ``sweep`` (Hydra
+  (metrics.jsonl, TensorBoard, summary), ``steptime`` (each step's compute, halo exchange,
+  gradient all-reduce and data waiting), ``profile`` (``train.profile``: a torch.profiler
+  trace per rank), ``mlperf`` (the MLPerf log), ``sweep`` (Hydra
   sweeps: a table of jobs);
 - after training: ``predict`` (the set-up every family's predict command shares).
 """

@@ -209,6 +209,13 @@ class TrainConfig:
     """Clip the gradient's global norm to this (0: off)."""
     activation_checkpointing: bool = False
     """Keep only each block's input and recompute the block in the backward (less memory, ~1/3 more compute)."""
+    profile: int = 0
+    """Record a ``torch.profiler`` trace of this many steps, after one warm-up step, into
+    ``run.dir/profile/rank<r>.json`` (one per rank; opens in Perfetto); 0: off
+    (``parallel.train.profile``, docs/performance.md)."""
+    compile: Any = False
+    """``torch.compile`` the split model: true (Inductor), false, or a backend name (``aot_eager``);
+    refused, naming the reason, where it cannot run (``parallel.train.compiled``)."""
     nonfinite: NonFinite = NonFinite.fail
     """A step whose loss or gradients are NaN or inf: ``fail`` stops the run (the last
     checkpoint stays the last good one); ``skip`` drops the update and counts the step."""

@@ -26,6 +26,7 @@ from parallel.infer import evaluation_due
 from parallel.random_draws import stream_seed
 from parallel.train import checkpoint, elastic, rng, stopsignal
 from parallel.train.checks import InputError, JobChecks
+from parallel.train.compiled import compile_model
 from parallel.train.config import JobConfig
 from parallel.train.data import build_data, fixed_shapes
 from parallel.train.evaluate import evaluate
@@ -35,8 +36,11 @@ from parallel.train.optim import Schedule, build_optimizer
 from parallel.train.report import (Reporter, format_summary, gather_per_rank, peak_memory_bytes, peak_reserved_bytes,
                                    reset_peak_memory, summarize)
 from parallel.train.scaler import LossScaler
+from parallel.train.profile import StepProfiler
 from parallel.train.state import TrainState, plain_config
 from parallel.train.step import NonFiniteGuard, TrainStep
+from parallel.train.steptime import StepTimes
+from parallel.train.steptime import summary_fields as step_time_fields
 
 log = logging.getLogger("parallel.train")
 
@@ -96,6 +100,7 @@ class Trainer:
             self.model, grid, seed=cfg.train.seed, overlap_halo=cfg.parallel.overlap_halo,
             recompute=cfg.train.activation_checkpointing, input_shape=(facts.channels, *self.data.volume),
             shard_linear=str(cfg.optim.name) != "kfac"), grid)
+        compile_model(self.pmodel, cfg.train.compile)  # train.compile: after the eager model's verification
         reset_peak_memory(grid.device)  # the summary's peaks are training's, not the float64 verification's
         # one global stream per data group, alike on the ranks of a spatial group (the serial run's for
         # data group 0): random draws in a network's forward (stochastic depth) equal the serial run's
@@ -172,6 +177,8 @@ class Trainer:
             total = min(total, cfg.train.max_steps)
         rep = Reporter(cfg.run, grid, total, p.step, self.resuming)
         first_step, first_samples = p.step, p.samples  # this session's figures start here
+        times = StepTimes(grid.device)  # each step: compute, halo exchange, all-reduce, data wait
+        prof = StepProfiler(cfg.train.profile, cfg.run.dir, grid.rank, grid.device) if cfg.train.profile else None
         self._io0 = (p.io.bytes_read, p.io.wait_seconds, p.io.samples)
         self.ml.end(C.INIT_STOP)
         self.ml.start(C.RUN_START)
@@ -188,8 +195,10 @@ class Trainer:
             self.ml.start(C.EPOCH_START, epoch_num=p.epoch + 1)
             t_epoch = time.perf_counter()
             for batch, stats in self.data.train:
-                with fixed_shapes(self.pmodel, self.data):  # no per-forward all-gather of block sizes
-                    loss_sum += self.train_step(batch)
+                with times.step(stats.wait_seconds), fixed_shapes(self.pmodel, self.data):
+                    loss_sum += self.train_step(batch)  # fixed shapes: no per-forward all-gather of block sizes
+                if prof is not None:
+                    prof.step()
                 loss_n += 1
                 n_log += 1
                 p.step += 1
@@ -201,7 +210,7 @@ class Trainer:
                     values = {"loss": mean_loss, "lr": self.train_step.lr,
                               "samples_per_s": n_log * cfg.train.global_batch_size / max(dt, 1e-9),
                               "data_wait_s": float(stats.wait_seconds),
-                              "elapsed_s": time.perf_counter() - t_run}
+                              "elapsed_s": time.perf_counter() - t_run, **times.log_values()}
                     rep.record("train", p.step, p.step / spe, values, self._per_rank())
                     rep.progress(p.step, {"loss": mean_loss, "lr": self.train_step.lr,
                                              fam.metric_name: p.best if p.best is not None else "-"})
@@ -236,6 +245,8 @@ class Trainer:
                 self.save(time.perf_counter() - t_run)
         if status != "success" and p.best is not None and fam.reached(p.best, self.target):
             status = "success"
+        if prof is not None:
+            prof.close()
         self.writer.finish(grid)  # the last checkpoint is on disk before the run counts as ended
         run_s = time.perf_counter() - t_run
         self.ml.end(C.RUN_STOP, status=status)  # MLPerf knows only success and aborted
@@ -259,6 +270,7 @@ class Trainer:
             "skipped_samples": int(round(_data_mean(torch.tensor(float(p.skipped_samples), device=grid.device), grid)
                                          * grid.data_size)),
         }, per_rank, p.samples)
+        summary.update(step_time_fields(gather_per_rank(times.session_means(), grid)))
         rep.close()
         if grid.rank == 0:
             path = Path(cfg.run.dir) / "summary.json"

@@ -21,6 +21,7 @@ from parallel.grid import Grid
 from parallel.memory import peak_rss_bytes
 from parallel.train.budget import summary_fields as memory_budget_fields
 from parallel.train.config import RunConfig
+from parallel.train.steptime import format_line as step_time_line
 
 log = logging.getLogger("parallel.train")
 
@@ -216,6 +217,9 @@ def format_summary(s: dict[str, Any]) -> str:
            if s.get("peak_reserved_bytes_per_rank") else ""),
         f"bytes read per rank per sample (KiB): {', '.join(per_sample)}",
     ]
+    breakdown = step_time_line(s)
+    if breakdown:
+        lines.append(breakdown)
     if s.get("run_dir"):
         lines.append(f"run.dir: {s['run_dir']}")
     return "\n".join(lines)

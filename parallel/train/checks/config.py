@@ -36,6 +36,7 @@ def validate_config(cfg: JobConfig) -> None:
         (cfg.train.accum_steps >= 1, f"train.accum_steps={cfg.train.accum_steps}: want >= 1"),
         (cfg.train.epochs >= 1, f"train.epochs={cfg.train.epochs}: want >= 1"),
         (cfg.train.max_steps >= 0, f"train.max_steps={cfg.train.max_steps}: want >= 0"),
+        (cfg.train.profile >= 0, f"train.profile={cfg.train.profile}: want >= 0 (steps to trace; 0: off)"),
         (cfg.train.max_skipped_steps >= 0, f"train.max_skipped_steps={cfg.train.max_skipped_steps}: want >= 0"),
         (cfg.data.workers >= 0, f"data.workers={cfg.data.workers}: want >= 0"),
         (cfg.run.keep_checkpoints >= 1, f"run.keep_checkpoints={cfg.run.keep_checkpoints}: want >= 1"),
@@ -55,6 +56,14 @@ def validate_config(cfg: JobConfig) -> None:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     _validate_crop_and_eval(cfg)
+    import torch
+
+    from parallel.train.compiled import refusal
+
+    gpu = cfg.parallel.backend == "nccl" or (cfg.parallel.backend is None and torch.cuda.is_available())
+    why = refusal(cfg.train.compile, str(cfg.optim.name), "cuda" if gpu else "cpu")
+    if why:
+        raise ConfigError(why)
     if str(cfg.optim.name) == "kfac":
         _validate_kfac(cfg)
 
