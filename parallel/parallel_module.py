@@ -59,10 +59,15 @@ class ParallelModule(nn.Module):
             return
         enabled = self.sync.enabled
         self.sync.remove()
+        # The old buckets' gradient views (zeros, or sums kept under no_sync) move to the new ones.
+        kept = {p: p.grad for p in self.module.parameters() if p.grad is not None}
+        for p in kept:
+            p.grad = None
         self.sync = self._grad_sync()
         self.sync.enabled = enabled
-        if torch.is_grad_enabled():
-            self.sync.prepare()
+        self.sync.prepare()
+        for p, g in kept.items():
+            p.grad.copy_(g)  # type: ignore[union-attr]
 
     channels_last: bool = False
     """Inputs laid out NDHWC before the model (``parallelize(..., channels_last=True)``)."""

@@ -29,7 +29,7 @@ def _program(grid: Grid, name: str, size: Sequence[int], overrides: Sequence[str
     if marks is not None:
         marks["model_and_batch"] = dev.in_use_bytes(grid.device)
     pmodel = parallel.parallelize(model, grid, input_shape=in_shape if input_shape else None,
-                                  **({"channels_last": True} if channels_last else {}))
+                                  channels_last=channels_last)
     x = parallel.scatter(x, grid)  # the user's own name for the block: the global batch may go
     if marks is not None:
         gc.collect()

@@ -268,6 +268,21 @@ def cut_optimizer_state(sd: dict[str, Any], optimizer: torch.optim.Optimizer, mo
     return sd
 
 
+def whole(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` (the parameter's data, gradient or per-element state) whole: gathered over the
+    spatial group where ``param`` is a sharded weight (a collective), else ``value`` itself."""
+    ref = getattr(param, "spatial_shard_layer", None)
+    layer = ref() if ref is not None else None
+    return value if layer is None or layer.shard is None else layer.gather(value)
+
+
+def shard_of(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """This rank's columns of a whole ``value`` where ``param`` is a sharded weight, else ``value``."""
+    ref = getattr(param, "spatial_shard_layer", None)
+    layer = ref() if ref is not None else None
+    return value if layer is None or layer.shard is None else layer.cut(value)  # type: ignore[return-value]
+
+
 # -- optimiser state of a weight sharded after the optimiser got it ---------------------------
 
 _WATCHING = False
