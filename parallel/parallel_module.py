@@ -59,10 +59,12 @@ class ParallelModule(nn.Module):
             return
         enabled = self.sync.enabled
         self.sync.remove()
-        # The old buckets' gradient views (zeros, or sums kept under no_sync) move to the new ones.
-        kept = {p: p.grad for p in self.module.parameters() if p.grad is not None}
-        for p in kept:
+        # Gradients accumulated before (under no_sync) move to the new buckets; the old buckets'
+        # fresh zeros are dropped first, so the old buffers are freed before the new ones exist.
+        kept = {p: p.grad for p in self.module.parameters() if p.grad is not None and bool(p.grad.any())}
+        for p in self.module.parameters():
             p.grad = None
+        self.sync = None
         self.sync = self._grad_sync()
         self.sync.enabled = enabled
         self.sync.prepare()
