@@ -78,6 +78,8 @@ def step_args(p: argparse.ArgumentParser) -> None:
                         "on the 2-way split instead (parallel/bench/kfac.py)")
     p.add_argument("--kfac", nargs="*", default=[], metavar="KEY=VALUE", help="K-FAC settings (optim.kfac)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per rank: 2 GPUs)")
+    p.add_argument("--channels-last", action="store_true",
+                   help="time each model NDHWC against NCDHW instead, serial and split (parallel/bench/layout.py)")
 
 
 def _overlap(text: str) -> bool | str:
@@ -110,6 +112,11 @@ def step(args: argparse.Namespace) -> Rows:
         from parallel.bench.kfac import kfac_step
 
         yield from kfac_step(args)
+        return
+    if args.channels_last:
+        from parallel.bench.layout import layout_step
+
+        yield from layout_step(args)
         return
     size = sizes(args.size)
     split = tuple(sizes(args.spatial))
