@@ -29,7 +29,7 @@ from typing import Any, Callable, Literal, Sequence
 
 import torch
 
-from parallel import comm
+from parallel import comm, layout
 from parallel.comm.timing import HALO, mark_background_thread, overlapped, region
 from parallel.nested import tensors as _tensors
 from parallel.partition import block_bounds, window_segments
@@ -130,7 +130,7 @@ def _communicate(x: torch.Tensor, dim: int,
 def _fetch(x: torch.Tensor, dim: int, plan: ExchangePlan, fill: float) -> torch.Tensor:
     if x.shape[dim] != plan.in_len:
         raise RuntimeError(f"halo exchange expected a block of {plan.in_len} along dim {dim}, got {x.shape[dim]}")
-    y = x.new_empty(_resized(x, dim, plan.out_len))
+    y = layout.empty(_resized(x, dim, plan.out_len), x)  # the block's layout (NCDHW or channels-last)
     for dst, n in plan.fills:
         y.narrow(dim, dst, n).fill_(fill)
     for src, dst, n in plan.copies:
@@ -147,7 +147,7 @@ def _reduce(y: torch.Tensor, dim: int, plan: ExchangePlan) -> torch.Tensor:
     """The adjoint of ``_fetch``: window values are summed into their owners."""
     if y.shape[dim] != plan.out_len:
         raise RuntimeError(f"halo reduction expected a window of {plan.out_len} along dim {dim}, got {y.shape[dim]}")
-    x = y.new_zeros(_resized(y, dim, plan.in_len))
+    x = layout.zeros(_resized(y, dim, plan.in_len), y)
     for src, dst, n in plan.copies:
         x.narrow(dim, src, n).add_(y.narrow(dim, dst, n))
     for buf, pieces in _communicate(y, dim, plan.recvs, plan.sends):
@@ -185,7 +185,7 @@ class _Fetch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
-        grad = grad.contiguous()
+        grad = layout.dense(grad)
         gx = _reduce_in_place(grad, ctx.dim, ctx.plan) if ctx.own_grad else None
         return (_reduce(grad, ctx.dim, ctx.plan) if gx is None else gx), None, None, None, None
 
@@ -198,7 +198,7 @@ class _Reduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _fetch(grad.contiguous(), ctx.dim, ctx.plan, 0.0), None, None
+        return _fetch(layout.dense(grad), ctx.dim, ctx.plan, 0.0), None, None
 
 
 def fetch(x: torch.Tensor, dim: int, plan: ExchangePlan, fill: float = 0.0, own_grad: bool = False) -> torch.Tensor:
@@ -229,7 +229,7 @@ def reduce_all(y: torch.Tensor, steps: Sequence[tuple[int, ExchangePlan]]) -> to
     """The adjoint of ``fetch_all``: ``_reduce`` along the same dims in reverse order."""
     with torch.no_grad():
         for dim, plan in reversed(steps):
-            y = _reduce(y.contiguous(), dim, plan)
+            y = _reduce(layout.dense(y), dim, plan)
     return y
 
 

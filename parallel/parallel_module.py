@@ -10,9 +10,11 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
+from parallel import layout
 from parallel.comm import replicated_grad
 from parallel.gradsync import GradSync
 from parallel.grid import Grid
+from parallel.layers.linear import SpatialLinear
 from parallel.layers.replicated import is_replicated
 from parallel.layers.shapes import ShapeTracker
 
@@ -34,19 +36,58 @@ class ParallelModule(nn.Module):
         self.module = module
         self.grid = grid
         self.shapes = shapes
+        self.bucket_mb = bucket_mb
+        self.sync = self._grad_sync() if grid.world_size > 1 else None
+        self._resharded = False
+        for m in module.modules():
+            if isinstance(m, SpatialLinear) and m.shard_pending:
+                m.on_shard = self._note_reshard
+
+    def _grad_sync(self) -> GradSync:
+        grid = self.grid
         data_grads = (getattr(grid, "grad_data_group", None) or grid.data_group) if grid.data_size > 1 else None
-        self.sync = GradSync(module, grid.grad_group, grid.data_size, bucket_mb, data_grads) \
-            if grid.world_size > 1 else None
+        return GradSync(self.module, grid.grad_group, grid.data_size, self.bucket_mb, data_grads)
+
+    def _note_reshard(self) -> None:
+        self._resharded = True
+
+    def _rebuild_sync(self) -> None:
+        """A Flatten+Linear weight was sharded in this forward (``SpatialLinear.shard_pending``):
+        its gradient now goes in a bucket of its own, averaged over the data group only."""
+        self._resharded = False
+        if self.sync is None:
+            return
+        enabled = self.sync.enabled
+        self.sync.remove()
+        # Gradients accumulated before (under no_sync) move to the new buckets; the old buckets'
+        # fresh zeros are dropped first, so the old buffers are freed before the new ones exist.
+        kept = {p: p.grad for p in self.module.parameters() if p.grad is not None and bool(p.grad.any())}
+        for p in self.module.parameters():
+            p.grad = None
+        self.sync = None
+        self.sync = self._grad_sync()
+        self.sync.enabled = enabled
+        self.sync.prepare()
+        for p, g in kept.items():
+            p.grad.copy_(g)  # type: ignore[union-attr]
+
+    channels_last: bool = False
+    """Inputs laid out NDHWC before the model (``parallelize(..., channels_last=True)``)."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.sync is not None and torch.is_grad_enabled():
             self.sync.prepare()
+        if self.channels_last:
+            args = tuple(layout.channels_last(a) if isinstance(a, torch.Tensor) else a for a in args)
+            kwargs = {k: layout.channels_last(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         volume = _first_volume(args, kwargs)
         key = None
         if volume is not None and self.grid.spatial_size > 1:
             key = self.shapes.input_dims(volume, "model input")
         with self.shapes.forward(key):
             out = self.module(*args, **kwargs)
+        if self._resharded:
+            self._rebuild_sync()
         return self._mark_replicated(out)
 
     def _mark_replicated(self, out: Any) -> Any:
@@ -69,8 +110,11 @@ class ParallelModule(nn.Module):
         if self.sync is None:
             yield
             return
-        with self.sync.no_sync():
+        previous, self.sync.enabled = self.sync.enabled, False
+        try:
             yield
+        finally:
+            self.sync.enabled = previous  # self.sync: the one in use now (a forward may have rebuilt it)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The serial model's keys and tensors. A sharded Linear weight is gathered whole: a

@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence, Union
 import torch
 from torch import nn
 
-from parallel import comm
+from parallel import comm, layout
 from parallel.grid import Grid
 from parallel.layers.adaptive import SpatialAdaptiveAvgPool3d, SpatialAdaptiveMaxPool3d
 from parallel.layers.base import SpatialMixin, convert
@@ -217,7 +217,7 @@ def parallelize(model: nn.Module, grid: Grid, *, sync_batchnorm: bool = False,
                 bucket_mb: float = 25.0, seed: int | None = None, overlap_halo: bool | str | None = None,
                 recompute: bool = False, verify: Probe = None, input_shape: Sequence[int] | None = None,
                 shard_linear: bool = True, conv_path: str = "shell",
-                conv_window_bytes: int | None = None) -> ParallelModule:
+                conv_window_bytes: int | None = None, channels_last: bool = False) -> ParallelModule:
     """The hybrid-parallel form of ``model`` for ``grid`` (layers converted in place).
 
     ``sync_batchnorm`` makes BatchNorm statistics span the data groups too (the global
@@ -228,10 +228,12 @@ def parallelize(model: nn.Module, grid: Grid, *, sync_batchnorm: bool = False,
     calibration (``parallel.plan.Machine``: ``scripts/benchmark.py calibrate``, else
     generic figures) says its messages take longer than handing them to the halo thread
     (``docs/performance.md``);
-    ``input_shape`` (one sample's (C, D, H, W)) lets Flatten+Linear layers keep only their
-    block's columns of the weight (``shard_linear``, ``parallel.layers.linear``): the
-    weight, gradient and optimiser state per rank fall by the split, and ``state_dict``
-    gathers the whole weight (a collective over the spatial group);
+    ``shard_linear``: Flatten+Linear layers keep only their block's columns of the weight
+    (``parallel.layers.linear``): the weight, gradient and optimiser state per rank fall by
+    the split, and ``state_dict`` gathers the whole weight (a collective over the spatial
+    group). With ``input_shape`` (one sample's (C, D, H, W)) the weight is cut here; without
+    it, at the layer's first forward on a split block (the parameter object stays the same,
+    so an optimiser built before that forward holds the shard);
     ``conv_path`` is how split convolutions run: ``"shell"`` (the block convolved in place,
     the halos' contributions added), ``"window"`` (block and halos copied into one tensor,
     one convolution) or ``"auto"``: per layer, the faster of the two, timed at its first
@@ -242,6 +244,9 @@ def parallelize(model: nn.Module, grid: Grid, *, sync_batchnorm: bool = False,
     trials of ``"auto"`` take more;
     ``recompute`` keeps only each block's input and recomputes the block in the backward
     (``parallel.recompute``): less memory, about one more forward of time.
+    ``channels_last`` lays the activations out NDHWC (``torch.channels_last_3d``): the
+    inputs on entry and every convolution's output (``parallel.layout``); the halo
+    messages, the parameters and ``state_dict`` are the same as without it.
     ``verify`` (a probe: True for one sized from the network, a shape (N, C, D, H, W), or a
     global tensor) runs the serial model and the split model once on the probe and raises
     ``parallel.verify.VerificationError`` naming the first module whose output (or the
@@ -283,13 +288,34 @@ def parallelize(model: nn.Module, grid: Grid, *, sync_batchnorm: bool = False,
         raise ValueError(f"overlap_halo must be True, False or 'auto', got {overlap_halo!r}")
     if flat:  # after the broadcast: every rank cuts its columns of the same weight
         _shard_linears(model, grid, flat)
+    if shard_linear and grid.spatial_size > 1:  # the rest shard at their first forward on a split block
+        for m in model.modules():
+            if isinstance(m, SpatialLinear) and m.shard is None and m.flatten_name:
+                m.shard_pending = True
     log.debug("parallelised %s over %s", type(model).__name__, grid.describe())
     pmodel = ParallelModule(model, grid, shapes, bucket_mb)
+    if channels_last:
+        _lay_out_channels_last(pmodel)
     if serial is not None:
         from parallel.verify import verify as run_verify  # loaded on use: most models are not verified
 
         run_verify(serial, pmodel, None if verify is True else verify)  # type: ignore[arg-type]
     return pmodel
+
+
+def _channels_last_output(module: nn.Module, inputs: tuple, output: Any) -> Any:
+    return layout.channels_last(output) if isinstance(output, torch.Tensor) else output
+
+
+def _lay_out_channels_last(pmodel: ParallelModule) -> None:
+    """NDHWC from end to end: the inputs on entry, and the output of every layer with a
+    spatial form (oneDNN returns NCDHW for a convolution of a few input channels, e.g.
+    CosmoFlow's 4, and the split upsampling assembles NCDHW); element-wise layers keep the
+    layout they are given. A no-op where the output is NDHWC already."""
+    pmodel.channels_last = True
+    for m in pmodel.module.modules():
+        if isinstance(m, SpatialMixin) or type(m) in SPATIAL_TWINS:
+            m.register_forward_hook(_channels_last_output)
 
 
 def _serial_copy(model: nn.Module) -> nn.Module:

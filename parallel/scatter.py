@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from parallel import comm
+from parallel import comm, layout
 from parallel.grid import Grid
 from parallel.partition import block_bounds
 
@@ -20,13 +20,18 @@ from parallel.partition import block_bounds
 def scatter(x: torch.Tensor, grid: Grid) -> torch.Tensor:
     """This rank's rows (its data group's share of dim 0) and spatial block of ``x``.
 
-    ``x`` is (N, C, D, H, W), the same on every rank. Differentiable (a slice).
+    ``x`` is (N, C, D, H, W), the same on every rank. Differentiable. A part of ``x`` is
+    a copy, in ``x``'s layout (NCDHW or channels-last), not a view: a view would keep the
+    whole global batch alive as long as the block lives (``x = scatter(x, grid)`` frees it).
     """
     if x.dim() != 5:
         raise ValueError(f"scatter expects a global batch (N, C, D, H, W), got shape {tuple(x.shape)}")
     r0, r1 = grid.batch_range(x.shape[0])
     sd, sh, sw = grid.block_slices(tuple(x.shape[2:]))
-    return x[r0:r1, :, sd, sh, sw].to(grid.device)
+    part = x[r0:r1, :, sd, sh, sw]
+    if part.numel() < x.numel():
+        part = part.clone(memory_format=layout.memory_format(x))
+    return part.to(grid.device)
 
 
 def _global_shape(x: torch.Tensor, local: list[list[int]], grid: Grid) -> list[int]:
@@ -61,17 +66,18 @@ class _Gather(torch.autograd.Function):
         parts = comm.all_gather_varlen(x.contiguous(), grid.world_group)  # blocks may differ in size
         full = _global_shape(x, [list(p.shape) for p in parts], grid)
         regions = _regions(grid, full)
-        out = x.new_empty(full)
+        fmt = layout.memory_format(x) if len(full) == 5 else torch.contiguous_format
+        out = torch.empty(full, dtype=x.dtype, device=x.device, memory_format=fmt)  # the parts' layout
         for rank, part in enumerate(parts):
             out[regions[rank]] = part
-        ctx.grid, ctx.region = grid, regions[grid.rank]
+        ctx.grid, ctx.region, ctx.fmt = grid, regions[grid.rank], fmt
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         total = comm.all_reduce_(grad.clone(memory_format=torch.contiguous_format), ctx.grid.world_group,
                                  caller="parallel.scatter.gather (backward)")
-        return total[ctx.region].contiguous(), None
+        return total[ctx.region].contiguous(memory_format=ctx.fmt), None
 
 
 def gather(x: torch.Tensor, grid: Grid) -> torch.Tensor:

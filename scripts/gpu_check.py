@@ -8,7 +8,8 @@ Steps (each a separate process, as a user would run it):
 2. ``layers``: every split layer's equivalence test, the halo and adjoint tests on the
    GPUs (``SPATIALCNN_TEST_DEVICE=cuda``; needs two GPUs or more);
 3. ``train``: a short CosmoFlow and U-Net training on the GPUs in bf16 and fp16, a
-   resume that continues it, and a prediction from its checkpoint;
+   resume that continues it, and a prediction from its checkpoint; the bf16 training
+   again with ``parallel.channels_last=true`` (samples/s beside the default's);
 4. ``probe``: step time and peak memory of a CosmoFlow step per GPU: allocated, reserved,
    and the device memory in use (``mem_get_info``: reserved + CUDA context + NCCL);
 5. ``bench``: ``scripts/benchmark.py step --device cuda`` on two GPUs (skipped by ``--cpu``).
@@ -44,7 +45,8 @@ CPU_LAYER_CASES = [  # a few cases on 2 ranks: the dry run checks the plumbing, 
     "tests/test_layers.py::test_conv3d[k3-pad1-D2]", "tests/test_layers.py::test_norm[batchnorm-D2]",
     "tests/test_comm_adjoint.py::test_adjoints[spatial2]",
 ]
-GPU_LAYER_FILES = ["tests/test_layers.py", "tests/test_halo.py", "tests/test_overlap.py", "tests/test_comm_adjoint.py"]
+GPU_LAYER_FILES = ["tests/test_layers.py", "tests/test_halo.py", "tests/test_overlap.py", "tests/test_comm_adjoint.py",
+                   "tests/test_channels_last.py"]
 
 
 @dataclass
@@ -166,6 +168,15 @@ class Check:
             self.record(_with_summary(first))
             if first.status != "pass":
                 continue
+            if precision == "bf16":  # cuDNN's bf16 convolutions prefer NDHWC: the same run laid out so
+                cl_dir = self.out / f"run_{model}_{precision}_channels_last"
+                cl = self.run(f"train {model} {precision} channels-last",
+                              [*self.launcher(self.ranks), "-m", f"{model}.train",
+                               *(c for c in common if not c.startswith("run.dir=")), f"run.dir={cl_dir}",
+                               "parallel.channels_last=true", "train.max_steps=2",
+                               "train.eval_at_end=false", "run.overwrite=true"], 600)
+                cl.data["summary"] = _summary(cl_dir)
+                self.record(_with_summary(cl))
             again = self.run(f"resume {model} {precision}", [*cmd, "train.max_steps=4", "train.resume=true"], 600)
             summary = _summary(run_dir)
             if again.status == "pass" and ("resumed from" not in again.data["output"] or summary.get("steps") != 4):

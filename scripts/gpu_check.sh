@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The prepared GPU check: self-check on one GPU and over all GPUs (NCCL), every split
 # layer's equivalence test on the GPUs, short CosmoFlow and U-Net trainings in bf16 and
-# fp16 with resume and predict, step times and peak memory, the step benchmark
+# fp16 with resume and predict, bf16 again channels-last (parallel.channels_last=true),
+# step times and peak memory, the step benchmark
 # (scripts/benchmark.py step --device cuda, 2 GPUs); a table and OUT/gpu_check.json.
 # A step past its timeout ends with its whole process tree (torchrun's workers too).
 #
@@ -14,7 +15,7 @@
 # keeps an installed GPU build of torch). Exit status 1 if any step failed.
 set -euo pipefail
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
-    sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'
     exit 0
 fi
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -15,6 +15,7 @@ from torch import nn
 
 import parallel
 from parallel.grid import Grid
+from parallel.layers.linear import shard_of
 
 # fp32 sums taken in another order differ by a few ulps of the largest term: 1e-5 of the
 # largest reference value bounds that with a wide margin at these sizes.
@@ -87,8 +88,9 @@ def check_module(grid: Grid, build: Callable[[], nn.Module], shape: tuple[int, .
         mine = replicas[0 if sync_batchnorm else grid.data_rank]
         expected_grads = {n: sum(dict(r.named_parameters())[n].grad for r in replicas)
                           for n, p in serial.named_parameters() if p.requires_grad}
-        for name, p in pmodel.module.named_parameters():
-            errors[tag + name + " grad"] = assert_close(p.grad, expected_grads[name], f"{tag}grad of {name}", rtol=rtol)
+        for name, p in pmodel.module.named_parameters():  # a sharded Linear weight: its columns
+            errors[tag + name + " grad"] = assert_close(p.grad, shard_of(p, expected_grads[name]), f"{tag}grad of {name}",
+                                                        rtol=rtol)
         for name, buf in pmodel.module.named_buffers():
             ref = dict(mine.named_buffers())[name]
             if buf.dtype.is_floating_point:
@@ -231,13 +233,13 @@ def gradients_in_bucket_views(grid: Grid) -> float:
         if step == 2 and all(views):
             raise AssertionError("a gradient replaced by hand was taken for a bucket view")
         for (name, p), q in zip(pmodel.module.named_parameters(), serial.parameters()):
-            worst = max(worst, assert_close(p.grad, q.grad, f"step {step} grad of {name}"))
+            worst = max(worst, assert_close(p.grad, shard_of(p, q.grad), f"step {step} grad of {name}"))
         opt_s.step()
         opt_p.step()
         opt_s.zero_grad(set_to_none=step != 0)
         opt_p.zero_grad(set_to_none=step != 0)
     for (name, p), q in zip(pmodel.module.named_parameters(), serial.parameters()):
-        worst = max(worst, assert_close(p.detach(), q.detach(), f"weights {name} after 3 steps"))
+        worst = max(worst, assert_close(p.detach(), shard_of(p, q.detach()), f"weights {name} after 3 steps"))
     return worst
 
 

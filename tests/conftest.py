@@ -90,6 +90,7 @@ TIERS = {
     "test_resume_grid": "launch",
     "test_schedule_reference": "unit",
     "test_shard": "ranks",
+    "test_channels_last": "ranks",
     "test_slurm_real": "launch",
     "test_sliding_window": "ranks",
     "test_train_cases": "launch",

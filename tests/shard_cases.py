@@ -34,14 +34,20 @@ def _sharded(pmodel: parallel.ParallelModule) -> SpatialLinear:
 
 
 def training_equals_serial(grid: Grid, optim: str, shape: tuple[int, ...] = SHAPE, pool: bool = True,
-                           steps: int = 3) -> dict[str, Any]:
+                           steps: int = 3, lazy: bool = False) -> dict[str, Any]:
     """``steps`` training steps (float64) with the Linear's weight sharded equal the serial
     model's: outputs, gradients (this rank's columns), weights and the optimiser's state, and
-    ``state_dict`` gathers the serial tensors. Returns the shard's shapes."""
+    ``state_dict`` gathers the serial tensors. Returns the shard's shapes. ``lazy``: no
+    ``input_shape``, so the weight is sharded at the first forward, after the optimiser
+    was built on the whole parameter."""
     torch.manual_seed(0)
     serial = net(shape, pool).double()
-    pmodel = parallel.parallelize(copy.deepcopy(serial), grid, input_shape=shape)
-    layer = _sharded(pmodel)
+    pmodel = parallel.parallelize(copy.deepcopy(serial), grid, input_shape=None if lazy else shape)
+    if lazy:
+        whole = [m for m in pmodel.module.modules() if isinstance(m, SpatialLinear) and m.shard_pending]
+        if len(whole) != 1 or whole[0].weight.shape[1] != whole[0].in_features:
+            raise AssertionError(f"before the first forward: expected one whole weight waiting, got {whole}")
+        param = whole[0].weight
 
     def make(params: Any) -> torch.optim.Optimizer:
         if optim == "adamw":
@@ -53,6 +59,10 @@ def training_equals_serial(grid: Grid, optim: str, shape: tuple[int, ...] = SHAP
         x = torch.randn(2 * grid.data_size, *shape, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
         serial(x).square().mean().backward()
         out = pmodel(parallel.scatter(x, grid))
+        if step == 0:
+            layer = _sharded(pmodel)
+            if lazy and layer.weight is not param:
+                raise AssertionError("sharding at the first forward replaced the parameter the optimiser holds")
         out.square().mean().backward()
         r0, r1 = grid.batch_range(x.shape[0])
         cases.assert_close(out.detach(), serial(x[r0:r1]).detach(), f"step {step} output", rtol=cases.RTOL64)
@@ -78,9 +88,11 @@ def training_equals_serial(grid: Grid, optim: str, shape: tuple[int, ...] = SHAP
             "in_features": layer.in_features, "columns": layer.shard.columns if layer.shard else 0}
 
 
-def load_any_grid_state(grid: Grid) -> float:
+def load_any_grid_state(grid: Grid, lazy: bool = False) -> float:
     """A whole (serial) model and optimiser state loads as this rank's columns, and training
-    on from it equals the serial model trained on from the same state."""
+    on from it equals the serial model trained on from the same state. ``lazy``: no
+    ``input_shape``; the whole state is loaded as it is before the first forward shards
+    the weight (the optimiser's next step cuts its state)."""
     torch.manual_seed(0)
     serial = net().double()
     opt_s = torch.optim.SGD(serial.parameters(), lr=0.1, momentum=0.9)
@@ -91,15 +103,18 @@ def load_any_grid_state(grid: Grid) -> float:
     saved_model, saved_opt = copy.deepcopy(serial.state_dict()), copy.deepcopy(opt_s.state_dict())
 
     torch.manual_seed(1)   # other initial weights: everything must come from the state
-    pmodel = parallel.parallelize(net().double(), grid, input_shape=SHAPE)
-    layer = _sharded(pmodel)
+    pmodel = parallel.parallelize(net().double(), grid, input_shape=None if lazy else SHAPE)
     opt_p = torch.optim.SGD(pmodel.parameters(), lr=0.1, momentum=0.9)
     pmodel.load_state_dict(saved_model)
     from parallel.layers.linear import cut_optimizer_state
 
-    opt_p.load_state_dict(cut_optimizer_state(saved_opt, opt_p, pmodel.module))
-    if tuple(opt_p.state[layer.weight]["momentum_buffer"].shape) != tuple(layer.weight.shape):
-        raise AssertionError("the loaded momentum of the sharded weight was not cut to its columns")
+    if lazy:
+        opt_p.load_state_dict(saved_opt)  # whole: nothing is sharded yet
+    else:
+        layer = _sharded(pmodel)
+        opt_p.load_state_dict(cut_optimizer_state(saved_opt, opt_p, pmodel.module))
+        if tuple(opt_p.state[layer.weight]["momentum_buffer"].shape) != tuple(layer.weight.shape):
+            raise AssertionError("the loaded momentum of the sharded weight was not cut to its columns")
     worst = 0.0
     for step in range(2):
         xs = torch.randn(2 * grid.data_size, *SHAPE, generator=torch.Generator().manual_seed(step),
@@ -108,6 +123,10 @@ def load_any_grid_state(grid: Grid) -> float:
         pmodel(parallel.scatter(xs, grid)).square().mean().backward()
         opt_s.step()
         opt_p.step()
+        if lazy and step == 0:
+            layer = _sharded(pmodel)
+            if tuple(opt_p.state[layer.weight]["momentum_buffer"].shape) != tuple(layer.weight.shape):
+                raise AssertionError("the whole momentum loaded before the first forward was not cut")
         opt_s.zero_grad(set_to_none=True)
         opt_p.zero_grad(set_to_none=True)
     for key, value in serial.state_dict().items():

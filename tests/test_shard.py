@@ -27,6 +27,23 @@ def test_sharded_training_equals_serial(pools, spatial, data, shape, pool, optim
     assert sum(r["columns"] for r in results[:split]) == results[0]["in_features"]
 
 
+@pytest.mark.parametrize("spatial,data,optim", [((2, 1, 1), 1, "sgd"), ((2, 1, 1), 2, "adamw")],
+                         ids=["D2-sgd", "D2-data2-adamw"])
+def test_sharded_at_the_first_forward_without_input_shape(pools, spatial, data, optim):
+    """No input_shape: the weight is sharded at the first forward, after the optimiser was
+    built on the whole parameter, and training still equals the serial model's."""
+    world = math.prod(spatial) * data
+    results = pools.run(world, shard_cases.training_equals_serial, optim, SHAPE, True, 2, True, spatial=spatial)
+    for r in results:
+        assert r["weight"] == [5, r["columns"]] and r["columns"] < r["in_features"], r
+        assert all(s == r["weight"] for s in r["grad_or_state"]) and r["grad_or_state"], r
+    assert sum(r["columns"] for r in results[:math.prod(spatial)]) == results[0]["in_features"]
+
+
+def test_whole_state_loaded_before_the_first_forward_is_cut(pools):
+    pools.run(2, shard_cases.load_any_grid_state, True, spatial=(2, 1, 1))
+
+
 @pytest.mark.parametrize("spatial", [(2, 1, 1), (1, 2, 2)], ids=["D2", "H2xW2"])
 def test_whole_state_loads_as_the_shard_and_trains_on_equal(pools, spatial):
     pools.run(math.prod(spatial), shard_cases.load_any_grid_state, spatial=spatial)

@@ -78,6 +78,8 @@ def step_args(p: argparse.ArgumentParser) -> None:
                         "on the 2-way split instead (parallel/bench/kfac.py)")
     p.add_argument("--kfac", nargs="*", default=[], metavar="KEY=VALUE", help="K-FAC settings (optim.kfac)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per rank: 2 GPUs)")
+    p.add_argument("--channels-last", action="store_true",
+                   help="time each model NDHWC against NCDHW instead, serial and split (parallel/bench/layout.py)")
 
 
 def _overlap(text: str) -> bool | str:
@@ -110,6 +112,11 @@ def step(args: argparse.Namespace) -> Rows:
         from parallel.bench.kfac import kfac_step
 
         yield from kfac_step(args)
+        return
+    if args.channels_last:
+        from parallel.bench.layout import layout_step
+
+        yield from layout_step(args)
         return
     size = sizes(args.size)
     split = tuple(sizes(args.spatial))
@@ -198,6 +205,11 @@ def memory_args(p: argparse.ArgumentParser) -> None:
                    help="glibc MALLOC_MMAP_THRESHOLD_ of the ranks: blocks this large are returned to the "
                         "system when freed, so peak RSS measures live tensors, not heap fragmentation (0: glibc's "
                         "dynamic default)")
+    p.add_argument("--api", action="store_true",
+                   help="measure a user's program instead (serial model, parallelize, scatter of a global batch, "
+                        "one forward and backward; parallel.bench.usermem)")
+    p.add_argument("--input-shape", action="store_true", help="with --api: pass parallelize(input_shape=...)")
+    p.add_argument("--channels-last", action="store_true", help="with --api: parallelize(channels_last=True)")
 
 
 def memory(args: argparse.Namespace) -> Rows:
@@ -208,6 +220,9 @@ def memory(args: argparse.Namespace) -> Rows:
 
     if args.mmap_threshold:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)  # read by the spawned ranks' libc
+    if args.api:
+        yield from _api_memory(args)
+        return
     model, in_shape, stored = build_model(args.model, (args.size,) * 3, args.set)
     layers = trace(model, in_shape)
     summary: dict[str, Any] = {"kind": "summary", "command": "memory", "load_before": load(),
@@ -253,5 +268,35 @@ def memory(args: argparse.Namespace) -> Rows:
         ax.legend()
 
     summary["plot"] = plot(args, "memory", draw)
+    summary["load_after"] = load()
+    yield summary
+
+
+def _api_memory(args: argparse.Namespace) -> Rows:
+    """``memory --api``: the user's program per grid; ratios of its peak (everything it
+    allocated, the global batch included) and of its forward+backward growth to serial."""
+    from parallel.bench.ranks import run_ranks
+    from parallel.bench.usermem import api_peak_memory
+
+    summary: dict[str, Any] = {"kind": "summary", "command": "memory --api", "load_before": load(),
+                               "input_shape": args.input_shape, "channels_last": args.channels_last}
+    serial: dict[str, float] = {}
+    for text in args.splits.split(","):
+        spatial = sizes(text)
+        world = math.prod(spatial)
+        t0 = time.perf_counter()
+        ranks = run_ranks(world, api_peak_memory, args.model, (args.size,) * 3, args.set, args.batch,
+                          args.input_shape, args.channels_last, spatial=spatial, device=dev.parse(args.device).type)
+        row: dict[str, Any] = {"kind": "memory_api", "model": args.model, "size": args.size, "spatial": spatial}
+        for key in ("peak_bytes", "forward_backward_growth_bytes", "parallelized_bytes", "model_and_batch_bytes"):
+            row[key] = max(r[key] for r in ranks)
+        for key in ("peak_bytes", "forward_backward_growth_bytes"):
+            if world == 1:
+                serial[key] = row[key]
+            row[key.replace("_bytes", "_ratio_to_serial")] = row[key] / serial[key] if serial.get(key) else None
+            summary[f"spatial_{text}_{key.replace('_bytes', '')}_over_serial"] = \
+                row[key.replace("_bytes", "_ratio_to_serial")]
+        row["seconds"] = time.perf_counter() - t0
+        yield row
     summary["load_after"] = load()
     yield summary

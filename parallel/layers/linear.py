@@ -5,17 +5,23 @@ Each rank multiplies its block by the matching columns of the weight (viewed as
 (out, C, D, H, W)); one all-reduce over the spatial group sums the partial products. The
 result is replicated on every rank of the group.
 
-The weight is *sharded* by block where ``parallelize`` knows the volume the Flatten sees
-(``parallelize(..., input_shape=...)``, as the training loop and the benchmarks call it):
-each rank keeps only its block's columns as the parameter, ``(out, C x block voxels)``, so
+The weight is *sharded* by block: each rank keeps only its block's columns as the parameter,
+``(out, C x block voxels)``. ``parallelize(..., input_shape=...)`` (as the training loop and
+the benchmarks call it) shards it at once; without ``input_shape`` the layer shards it at
+its first forward on a split block, when the volume is known (``shard_pending``). The
+parameter object stays the same (its data is replaced), so an optimiser built before that
+forward holds the shard; optimiser state that already has the whole shape (loaded before
+the first forward) is cut at the next ``step`` (``_cut_stale_state``), and the model's
+gradient sync is rebuilt for the sharded parameter (``on_shard``). So
 the weight, its gradient and the optimiser's state per rank fall by the split. The
 gradient of those columns is complete on the rank that owns them (the partial products'
 all-reduce hands every rank the whole output gradient), so the gradient sync only averages
 it over the data group. ``state_dict`` still holds the serial model's whole tensor: the
 columns are gathered over the spatial group (a collective: every rank of the group calls
 it), and ``load_state_dict`` takes the whole tensor (or this rank's shard) and keeps the
-block's columns. Without ``input_shape`` the weight stays whole, every rank's gradient is
-non-zero only in its columns, and the gradient sync's spatial sum assembles it.
+block's columns. With ``shard_linear=False``, or where K-FAC reads the whole weight
+(``window_hook``), the weight stays whole, every rank's gradient is non-zero only in its
+columns, and the gradient sync's spatial sum assembles it.
 
 After a global pool the features are replicated, not split: Flatten and Linear then run
 as the serial layers on every rank (``parallel.layers.replicated``).
@@ -23,6 +29,8 @@ as the serial layers on every rank (``parallel.layers.replicated``).
 
 from __future__ import annotations
 
+import logging
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -37,6 +45,7 @@ from parallel.layers.base import SpatialMixin
 from parallel.layers.replicated import is_replicated
 
 Span = tuple[int, int]
+log = logging.getLogger("parallel")
 
 
 class SpatialFlatten(SpatialMixin, nn.Flatten):
@@ -88,6 +97,10 @@ class SpatialLinear(SpatialMixin, nn.Linear):
     """Set by ``shard_weight``: the weight parameter holds only these columns."""
     flatten_name: str = ""
     """The Flatten before this layer (its input's shape decides the shard; set by parallelize)."""
+    shard_pending: bool = False
+    """Shard the weight at the first forward on a split block (parallelize without input_shape)."""
+    on_shard: Callable[[], None] | None = None
+    """Called after the weight was sharded at a forward (``ParallelModule`` rebuilds its gradient sync)."""
 
     # -- the shard ------------------------------------------------------------------------
     def shard_weight(self, channels: int, dims: tuple[int, int, int]) -> None:
@@ -100,9 +113,18 @@ class SpatialLinear(SpatialMixin, nn.Linear):
         self._state_dict_hooks = OrderedDict(self._state_dict_hooks)
         self._load_state_dict_pre_hooks = OrderedDict(self._load_state_dict_pre_hooks)
         self.shard = Shard(channels, dims, self.grid.block_range(dims))  # type: ignore[arg-type]
-        cut = self.cut(self.weight.detach())
-        self.weight = nn.Parameter(cut, requires_grad=self.weight.requires_grad)  # type: ignore[arg-type]
-        self.weight.spatial_shard = True  # type: ignore[attr-defined]  # the gradient sync's cue
+        self.shard_pending = False
+        weight = self.weight
+        grad, weight.grad = weight.grad, None
+        # The same parameter object, its data replaced: an optimiser that already holds it
+        # (built before a first-forward shard) then holds the shard. The whole data is freed.
+        with torch.no_grad():
+            weight.data = self.cut(weight.detach())  # type: ignore[assignment]
+        if grad is not None and bool(grad.any()):  # a gradient accumulated before: its columns
+            weight.grad = self.cut(grad)
+        weight.spatial_shard = True  # type: ignore[attr-defined]  # the gradient sync's cue
+        weight.spatial_shard_layer = weakref.ref(self)  # type: ignore[attr-defined]  # _cut_stale_state's
+        _watch_optimizers()
         self.register_state_dict_post_hook(_gather_hook)
         self.register_load_state_dict_pre_hook(_cut_hook)
 
@@ -142,6 +164,8 @@ class SpatialLinear(SpatialMixin, nn.Linear):
             raise ValueError(
                 f"{self.where}: the flattened volume has {c}x{dims[0]}x{dims[1]}x{dims[2]} = "
                 f"{c * dims[0] * dims[1] * dims[2]} features but the layer takes {self.in_features}")
+        if self.shard is None and self.shard_pending:
+            self._shard_at_forward(c, dims)
         if self.shard is not None:
             if (c, dims) != (self.shard.channels, self.shard.dims):
                 raise ValueError(f"{self.where}: its weight is sharded for a {self.shard.channels}x"
@@ -155,6 +179,18 @@ class SpatialLinear(SpatialMixin, nn.Linear):
             partial = F.linear(x.flatten(1), block.reshape(self.out_features, -1))
         y = all_reduce_sum(partial, self.grid.spatial_group)
         return y if self.bias is None else y + self.bias
+
+    def _shard_at_forward(self, channels: int, dims: tuple[int, int, int]) -> None:
+        """The first forward on a split block: the volume is known now, shard the weight."""
+        self.shard_pending = False
+        if self.window_hook is not None:  # K-FAC assembles the features against the whole weight
+            log.info("%s: weight kept whole (K-FAC reads the whole weight)", self.where)
+            return
+        self.shard_weight(channels, dims)
+        log.debug("%s: weight sharded at the first forward, %d of %d columns", self.where, self.weight.shape[1],
+                  self.in_features)
+        if self.on_shard is not None:
+            self.on_shard()
 
     def _replicated(self, x: torch.Tensor) -> torch.Tensor:
         if self.shard is not None:
@@ -230,3 +266,51 @@ def cut_optimizer_state(sd: dict[str, Any], optimizer: torch.optim.Optimizer, mo
                 state[key] = layer.cut(value)
         sd["state"][pid] = state
     return sd
+
+
+def whole(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` (the parameter's data, gradient or per-element state) whole: gathered over the
+    spatial group where ``param`` is a sharded weight (a collective), else ``value`` itself."""
+    ref = getattr(param, "spatial_shard_layer", None)
+    layer = ref() if ref is not None else None
+    return value if layer is None or layer.shard is None else layer.gather(value)
+
+
+def shard_of(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """This rank's columns of a whole ``value`` where ``param`` is a sharded weight, else ``value``."""
+    ref = getattr(param, "spatial_shard_layer", None)
+    layer = ref() if ref is not None else None
+    return value if layer is None or layer.shard is None else layer.cut(value)  # type: ignore[return-value]
+
+
+# -- optimiser state of a weight sharded after the optimiser got it ---------------------------
+
+_WATCHING = False
+
+
+def _watch_optimizers() -> None:
+    """Install (once per process) the step pre-hook that cuts stale whole-shaped state."""
+    global _WATCHING
+    if not _WATCHING:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        register_optimizer_step_pre_hook(_cut_stale_state)
+        _WATCHING = True
+
+
+def _cut_stale_state(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Before any optimiser's step: per-element state of a sharded weight that still has the
+    whole ``(out, in_features)`` shape (an optimiser state loaded before the first forward
+    sharded the weight) is cut to this rank's columns, as ``cut_optimizer_state`` would have."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            ref = getattr(p, "spatial_shard_layer", None)
+            layer = ref() if ref is not None else None
+            state = optimizer.state.get(p) if layer is not None else None
+            if not state:
+                continue
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and tuple(value.shape) == (layer.out_features, layer.in_features) \
+                        and tuple(p.shape) != tuple(value.shape):
+                    state[key] = layer.cut(value)
+                    log.info("%s: optimiser state %r cut to the weight's shard", layer.where, key)

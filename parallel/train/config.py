@@ -156,6 +156,10 @@ class ParallelConfig:
     """Run each split conv's halo exchange beside its block's convolution, forward and backward:
     ``true``, ``false``, or ``auto`` (per layer, where the calibration says the messages take
     longer than handing them to the halo thread; ``docs/performance.md``)."""
+    channels_last: bool = False
+    """Lay activations out NDHWC (``torch.channels_last_3d``) from end to end: faster for
+    cuDNN's bf16 convolutions; off by default because it was not faster on this project's
+    CPU measurements (``docs/performance.md``). Checkpoints are unchanged."""
     timeout_s: float = 600.0
     """Bound on every collective, and how long a silent peer may go without a heartbeat:
     a dead or hung peer ends the job instead of hanging it."""

@@ -99,7 +99,7 @@ class Trainer:
         self.pmodel = checks.verify(self.model, lambda: parallel.parallelize(
             self.model, grid, seed=cfg.train.seed, overlap_halo=cfg.parallel.overlap_halo,
             recompute=cfg.train.activation_checkpointing, input_shape=(facts.channels, *self.data.volume),
-            shard_linear=str(cfg.optim.name) != "kfac"), grid)
+            shard_linear=str(cfg.optim.name) != "kfac", channels_last=cfg.parallel.channels_last), grid)
         compile_model(self.pmodel, cfg.train.compile)  # train.compile: after the eager model's verification
         reset_peak_memory(grid.device)  # the summary's peaks are training's, not the float64 verification's
         # one global stream per data group, alike on the ranks of a spatial group (the serial run's for
