@@ -104,12 +104,14 @@ def _elastic_run(model: str, args: list[str], run: Path, kill_at: int, timeout: 
     port = free_port("127.0.0.1")
     base = [str(BIN / "torchrun"), "--nnodes=1:2", "--nproc-per-node=2", "--max-restarts=1", "--rdzv-backend=c10d",
             f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test", "--monitor-interval=0.2"]
-    conf = "last_call_timeout=2,join_timeout=120,keep_alive_interval=1,keep_alive_max_attempt=2"
+    conf = "last_call_timeout=3,join_timeout=120,keep_alive_interval=1,keep_alive_max_attempt=2"
     cmd = ["-m", f"{model}.train", *args, f"run.dir={run}"]
     log_a, log_b = open(run.parent / f"{run.name}.a.log", "w+"), open(run.parent / f"{run.name}.b.log", "w+")
+    # Both at once: the host, alone in a round, waits only last_call_timeout for more nodes,
+    # then trains without the other; started together they load Python side by side. The
+    # host first: ranks follow the agents' pids, and the host's workers are ranks 0 and 1.
     a = subprocess.Popen([*base, f"--rdzv-conf=is_host=1,{conf}", *cmd], env=env(), cwd=REPO, stdout=log_a,
                          stderr=subprocess.STDOUT, start_new_session=True)
-    time.sleep(0.5)
     b = subprocess.Popen([*base, f"--rdzv-conf=is_host=0,{conf}", *cmd], env=env(), cwd=REPO, stdout=log_b,
                          stderr=subprocess.STDOUT, start_new_session=True)
     seen = 0
@@ -122,6 +124,8 @@ def _elastic_run(model: str, args: list[str], run: Path, kill_at: int, timeout: 
                 break
             time.sleep(0.05)
         assert seen >= kill_at, f"the run never reached step {kill_at} (agent: {a.poll()})"
+        first = json.loads((run / elastic.RECORD).read_text())["sessions"][0]["world_size"]
+        assert first == 4, f"the second node did not join the first rendezvous (world {first})"
         _kill_node(b)
         t_kill = time.monotonic()
         while time.monotonic() < deadline and a.poll() is None:  # the survivors' last steps, until the restart
