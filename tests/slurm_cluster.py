@@ -116,7 +116,8 @@ AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 KillWait=3
-MinJobAge=600
+# never purge finished jobs: sbatch --wait then polls every 2 s (it backs off to 32 s while MinJobAge/2 allows)
+MinJobAge=0
 InactiveLimit=0
 SlurmdTimeout=60
 MessageTimeout=20
