@@ -20,12 +20,29 @@ import pickle
 import queue
 import time
 import traceback
+from collections import OrderedDict
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
 from parallel.launch import free_port
 
 DEVICE = os.environ.get("SPATIALCNN_TEST_DEVICE", "cpu")
+# A rank keeps the process groups of its last few grids only. Every gloo group has a device
+# loop thread that wakes each 10 ms: a pool that kept every grid it was asked for (dozens
+# over a session, four groups each) spent a tenth of a core per 4 ranks while idle.
+KEEP_GRIDS = 4
+
+
+def _release(grid: Any) -> None:
+    """End a grid's own process groups (not the world's); a local call on every rank alike."""
+    import torch.distributed as dist
+
+    seen: list[Any] = []
+    for group in (grid.spatial_group, grid.data_group, grid.grad_group, grid.grad_data_group):
+        if group is None or group is dist.group.WORLD or any(group is g for g in seen):
+            continue
+        seen.append(group)
+        dist.destroy_process_group(group)
 
 
 def _worker(rank: int, world: int, port: int, jobs: Any, results: Any) -> None:
@@ -46,7 +63,7 @@ def _worker(rank: int, world: int, port: int, jobs: Any, results: Any) -> None:
     dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=world, timeout=timedelta(seconds=60))
     comm.barrier(None)  # a first operation that involves every rank (NCCL's rule for point-to-point)
-    grids: dict[tuple[int, int, int], Grid] = {}
+    grids: OrderedDict[tuple[int, int, int], Grid] = OrderedDict()  # least recently used first
     try:
         while True:
             job = jobs.get()
@@ -55,7 +72,11 @@ def _worker(rank: int, world: int, port: int, jobs: Any, results: Any) -> None:
                 os._exit(0)  # every result was taken; skip the interpreter's slow teardown of torch
             fn, args, spatial = job
             try:
-                if spatial not in grids:
+                if spatial in grids:
+                    grids.move_to_end(spatial)
+                else:  # every rank runs the same jobs: they release and create groups alike
+                    while len(grids) >= KEEP_GRIDS:
+                        _release(grids.popitem(last=False)[1])
                     grids[spatial] = Grid.from_world(spatial, device=device)
                 results.put((rank, True, fn(grids[spatial], *args)))
             except BaseException:  # noqa: BLE001 - report everything to the test process
