@@ -119,7 +119,10 @@ RULES = [
          append="train.max_steps=2 train.global_batch_size=2 data.crop=[32,32,32] run.progress=false"),
     Rule(r"^python -m unet3d\.predict --run-dir runs/kits ", "all",
          "the README's mpirun run above (2 steps) segments data/kits's val cases"),
-    Rule(r"^mpirun -n 4 python -m unet3d\.train ", "ci", "2 steps of a 3-level U-Net on 32^3 crops",
+    Rule(r"^mpirun -n 4 python -m unet3d\.train ", "ci",
+         "2 steps of a 3-level U-Net on 32^3 crops, on 2 ranks split along D (4 ranks under mpirun: "
+         "tests/test_launchers.py)",
+         sub=((r"^mpirun -n 4 ", "mpirun -n 2 "), (r"parallel\.spatial=\[\d,\d,\d\]", "parallel.spatial=[2,1,1]")),
          append=UNET_SMALL),
     Rule(r"^mpirun -n 8 python -m unet3d\.train ", "all", "2 steps of a 3-level U-Net on data/kits",
          sub=((r"data\.dir=/data/kits", "data.dir=data/kits"),), append=UNET_SMALL),

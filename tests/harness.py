@@ -70,6 +70,11 @@ def _worker(rank: int, world: int, port: int, jobs: Any, results: Any) -> None:
             if job is None:
                 dist.destroy_process_group()
                 os._exit(0)  # every result was taken; skip the interpreter's slow teardown of torch
+            if job == "release":  # between test modules: the world group alone stays
+                while grids:
+                    _release(grids.popitem(last=False)[1])
+                results.put((rank, True, None))
+                continue
             fn, args, spatial = job
             try:
                 if spatial in grids:
@@ -131,6 +136,14 @@ class RankPool:
             raise AssertionError(f"{getattr(fn, '__name__', fn)} failed on {self.world} ranks:{report}")
         return [got[r] for r in range(self.world)]
 
+    def release(self, timeout: float = 60.0) -> None:
+        """End every grid's process groups on every rank (the world group stays)."""
+        for q in self.jobs:
+            q.put("release")
+        deadline = time.monotonic() + timeout
+        for _ in range(self.world):
+            self.results.get(timeout=max(0.1, deadline - time.monotonic()))
+
     def close(self, deadline: float | None = None) -> None:
         self.signal_end()
         self.reap(time.monotonic() + 5.0 if deadline is None else deadline)
@@ -175,6 +188,18 @@ class Pools:
         except AssertionError:
             self._pools.pop(world, None)
             raise
+
+    def idle(self, keep: int = 4) -> None:
+        """Between test modules: worlds over ``keep`` ranks end, the others keep their world
+        group only. An idle rank costs CPU for each process group it holds (a gloo device
+        loop waking every 10 ms), and the suite's pools sit idle while the other modules run."""
+        for world in [w for w in self._pools if w > keep]:
+            self._pools.pop(world).close()
+        for world, pool in list(self._pools.items()):
+            try:
+                pool.release()
+            except (queue.Empty, OSError, ValueError):
+                self._pools.pop(world).close()  # a pool that cannot release is replaced at its next use
 
     def close(self) -> None:
         """End every world at once (not one after another: each waits for its workers)."""

@@ -146,8 +146,17 @@ def _elastic_run(model: str, args: list[str], run: Path, kill_at: int, timeout: 
     return a, out, seen, time.monotonic() - t_kill
 
 
-@pytest.mark.parametrize("model", sorted(MODELS))
-def test_a_node_dies_and_the_job_finishes_on_the_survivors(model, tmp_path_factory):
+def test_a_node_dies_and_the_job_finishes_on_the_survivors(tmp_path_factory):
+    """The U-Net at spatial 2: data 2 -> 1 when a node goes, accumulation 2 after it."""
+    _node_loss("unet3d", tmp_path_factory)
+
+
+def test_a_node_dies_and_the_cosmoflow_job_finishes_on_the_survivors(tmp_path_factory):
+    """Nightly (tests/conftest.py NIGHTLY): CosmoFlow at world 4 -> 2, spatial 1."""
+    _node_loss("cosmoflow", tmp_path_factory)
+
+
+def _node_loss(model: str, tmp_path_factory) -> None:
     spec = MODELS[model]
     root = tmp_path_factory.mktemp(f"elastic_{model}")
     data = prepare(model, root / "data", spec["size"], 16, 4)

@@ -55,15 +55,17 @@ def serial() -> dict:
     return report
 
 
-def test_spatial_1x2x2_equals_plain_python_under_torchrun_and_mpirun(serial):
-    # under srun (--mpi=none, SLURM_* rendezvous): tests/test_slurm_real.py, on a real Slurm
-    runs = {"torchrun": _torchrun(4, "1 2 2"), "mpi": _mpirun(4, "1 2 2")}
-    for launcher, report in runs.items():
-        assert report["launcher"] == launcher and report["world_size"] == 4 and report["data"] == 1
-        _same(serial, report)
-
-
-def test_data2_x_spatial2_equals_plain_python_under_torchrun_and_mpirun(serial):
-    for report in (_torchrun(4, "2 1 1"), _mpirun(4, "2 1 1")):
-        assert report["data"] == 2 and report["spatial"] == [2, 1, 1]
+def test_each_launcher_at_4_ranks_equals_plain_python():
+    """torchrun on a split in two dims (1x2x2), mpirun on data 2 x spatial 2: each launcher
+    once at 4 ranks (the grids' numbers against serial are the matrix's, through the job
+    pool; under srun, --mpi=none and pmi2: tests/test_slurm_real.py, on a real Slurm)."""
+    serial = _report(SELFCHECK)
+    assert serial["launcher"] == "single" and serial["world_size"] == 1
+    torchrun = _torchrun(4, "1 2 2")
+    assert torchrun["launcher"] == "torchrun" and torchrun["world_size"] == 4 and torchrun["data"] == 1
+    assert torchrun["spatial"] == [1, 2, 2]
+    mpi = _mpirun(4, "2 1 1")
+    assert mpi["launcher"] == "mpi" and mpi["world_size"] == 4
+    assert mpi["data"] == 2 and mpi["spatial"] == [2, 1, 1]
+    for report in (torchrun, mpi):
         _same(serial, report)

@@ -19,7 +19,9 @@ NETS = [
     ("DynUNet", {"D2": (1, 1, 16, 8, 8), "S122": (1, 1, 8, 16, 16), "data2": (2, 1, 16, 8, 8)}),
     ("SegResNet", {"D2": (1, 1, 24, 8, 8), "S122": (1, 1, 8, 16, 16), "data2": (2, 1, 16, 8, 8)}),
     ("SegResNetDS", {"D2": (1, 1, 16, 8, 8), "S122": (1, 1, 8, 16, 16), "data2": (2, 1, 16, 8, 8)}),
-    ("VNet", {"D2": (1, 1, 32, 16, 16), "S122": (1, 1, 16, 32, 32), "data2": (2, 1, 32, 16, 16)}),
+    # VNet (16-256 channels, no width option) at the two spatial grids only: its data 2 x spatial 2
+    # case cost 25 s and proved what D2 and the other networks' data2 cases prove
+    ("VNet", {"D2": (1, 1, 32, 16, 16), "S122": (1, 1, 16, 32, 32)}),
     ("AttentionUnet", {"D2": (1, 1, 12, 8, 8), "S122": (1, 1, 8, 12, 12), "data2": (2, 1, 12, 8, 8)}),
     ("DenseNet121", {"D2": (1, 1, 64, 32, 32), "S122": (1, 1, 32, 64, 64), "data2": (2, 1, 64, 32, 32)}),
     ("resnet10", {"D2": (1, 1, 64, 32, 32), "S122": (1, 1, 32, 64, 64), "data2": (2, 1, 64, 32, 32)}),
@@ -30,7 +32,7 @@ NETS = [
     ("EfficientNet", {"D2": (1, 1, 32, 32, 32), "S122": (1, 1, 32, 32, 32), "data2": (2, 1, 32, 32, 32)}),
 ]
 GRIDS = {"D2": (2, D2), "S122": (4, S122), "data2": (4, D2)}
-SLOW = {("VNet", "S122"), ("VNet", "data2"), ("BasicUNet", "S122")}  # ~30 s each on a loaded 2-core machine
+SLOW = {("VNet", "S122"), ("BasicUNet", "S122")}  # ~30 s each on a loaded 2-core machine
 CASES = [pytest.param(name, config, shape, id=f"{name}-{config}", marks=slow if (name, config) in SLOW else ())
          for name, shapes in NETS for config, shape in shapes.items()]
 

@@ -171,7 +171,8 @@ def test_strong_submission_and_a_repeated_job_id(slurm, data, tmp_path):
     stale = stage / f"spatialcnn_{job}_0_2x1x1"
     stale.mkdir(parents=True)
     (stale / "marker").write_text("an earlier job's")
-    proc2, job2 = _submit(slurm, dict(env, SEED="9", EXTRA_ARGS="train.max_steps=1 train.stop_at_target=false"),
+    # two runs in a row this time (NEXP=2: seeds SEED+1, SEED+2), one step each
+    proc2, job2 = _submit(slurm, dict(env, SEED="9", NEXP="2", EXTRA_ARGS="train.max_steps=1 train.stop_at_target=false"),
                           "--system", "local", "--mode", "strong")
     assert job2 == job, (job, job2)
     console2, out2 = _console(job2)
@@ -180,13 +181,13 @@ def test_strong_submission_and_a_repeated_job_id(slurm, data, tmp_path):
     assert result_line not in out2 and f"belongs to an earlier job with the id {job}" in out2
     logdir2 = Path(re.search(r"logs in (\S+)", out2).group(1))
     assert logdir2 != logdir and logdir2.name.startswith(logdir.name + "_")
-    # it trained its own run (1 step, no target: aborted), and reported and collected only that
-    assert proc2.returncode != 0 and len(re.findall(r"^RESULT,", out2, re.M)) == 1
+    # it trained its own two runs (1 step, no target: aborted), and reported and collected only those
+    assert proc2.returncode != 0 and len(re.findall(r"^RESULT,", out2, re.M)) == 2
     assert "mlperf.log was not written by this run" not in out2
-    assert _mllog(logdir2 / "run_1" / "mlperf.log")["seed"][0]["value"] == 10
-    assert [p.name for p in bench.glob("result_*.txt")] == ["result_0.txt", "result_1.txt"]
+    assert [_mllog(logdir2 / f"run_{i}" / "mlperf.log")["seed"][0]["value"] for i in (1, 2)] == [10, 11]
+    assert sorted(p.name for p in bench.glob("result_*.txt")) == ["result_0.txt", "result_1.txt", "result_2.txt"]
     assert _mllog(bench / "result_0.txt")["run_stop"][0]["time_ms"] == first_stop
-    assert _mllog(bench / "result_1.txt")["seed"][0]["value"] == 10
+    assert [_mllog(bench / f"result_{i}.txt")["seed"][0]["value"] for i in (1, 2)] == [10, 11]
     assert (stale / "marker").read_text() == "an earlier job's"
     assert [p.name for p in stage.iterdir()] == [stale.name]
 
@@ -334,9 +335,10 @@ def test_time_limit_warning_checkpoints_and_the_next_submission_resumes_to_the_s
     resubmission (RESUME=1, same LOGDIR) goes on to step k+3 and ends with the weights of an
     uninterrupted run of k+3 steps."""
     logdir = tmp_path / "logs"
-    env = _env(slurm, tmp_path, NNODES="1", SPATIAL="[2,1,1]", DATA_DIR=str(data), LOGDIR=str(logdir),
-               RESULTS_DIR=str(tmp_path / "results"), NEXP="1", SEED="20", WALLTIME="1", TIME_LIMIT_SIGNAL_S="60",
-               EXTRA_ARGS=LONG)
+    # one task: the run trains until Slurm's warning comes (its time-limit check runs every 30 s or so)
+    env = _env(slurm, tmp_path, NNODES="1", SPATIAL="[1,1,1]", RANKS_PER_NODE="1", CORES_PER_NODE="1",
+               DATA_DIR=str(data), LOGDIR=str(logdir), RESULTS_DIR=str(tmp_path / "results"), NEXP="1", SEED="20",
+               WALLTIME="1", TIME_LIMIT_SIGNAL_S="60", EXTRA_ARGS=LONG)
     proc, job = _submit(slurm, env, "--system", "local", "--mode", "strong")
     _, out = _console(job)
     print(out[-5000:])
