@@ -216,22 +216,17 @@ def job_pool(tmp_path_factory):
     train_helpers.POOL = None
 
 
-_POOLS: list[Pools] = []
-
-
 @pytest.fixture(scope="session")
 def pools():
     """Spawned gloo worlds of 2, 3, 4 (and 8) ranks, started on first use and reused."""
     p = Pools()
-    _POOLS.append(p)
     yield p
-    _POOLS.remove(p)
     p.close()
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _pools_idle_between_modules():
-    """After each module, the pools drop what they held for it (``Pools.idle``)."""
+def _pools_idle_between_modules(pools):
+    """After each module, the pools drop what they held for it (``Pools.idle``; a ``Pools``
+    starts no process until its first use)."""
     yield
-    for p in _POOLS:
-        p.idle()
+    pools.idle()
