@@ -12,6 +12,7 @@ from torch import nn
 
 from parallel import layout
 from parallel.comm import replicated_grad
+from parallel.flatshard import flatten_inputs, shard_linears
 from parallel.gradsync import GradSync
 from parallel.grid import Grid
 from parallel.layers.linear import SpatialLinear
@@ -31,12 +32,17 @@ class ParallelModule(nn.Module):
     (5-D outputs) or a replicated tensor (outputs with fewer dims, e.g. after
     Flatten+Linear). ``state_dict``/``load_state_dict`` use the serial model's keys."""
 
-    def __init__(self, module: nn.Module, grid: Grid, shapes: ShapeTracker, bucket_mb: float) -> None:
+    def __init__(self, module: nn.Module, grid: Grid, shapes: ShapeTracker, bucket_mb: float,
+                 shape_probe: nn.Module | None = None) -> None:
         super().__init__()
         self.module = module
         self.grid = grid
         self.shapes = shapes
         self.bucket_mb = bucket_mb
+        # The serial structure on the meta device (parallel.flatshard.meta_copy): traced at the
+        # first forward to cut the pending Flatten+Linear weights before any layer runs. Kept
+        # out of the module tree (not a submodule: no parameters, no state_dict keys).
+        self.__dict__["_shape_probe"] = shape_probe
         self.sync = self._grad_sync() if grid.world_size > 1 else None
         self._resharded = False
         for m in module.modules():
@@ -74,16 +80,27 @@ class ParallelModule(nn.Module):
     channels_last: bool = False
     """Inputs laid out NDHWC before the model (``parallelize(..., channels_last=True)``)."""
 
+    def _shard_before_forward(self, volume: torch.Tensor, dims: Sequence[int]) -> None:
+        """The first forward: the sample's global shape is known, so the Flatten+Linear weights
+        waiting for it are cut now, before the activations exist (one try: a model the meta
+        device cannot run leaves them to cut at their own forward)."""
+        probe, self.__dict__["_shape_probe"] = self.__dict__["_shape_probe"], None
+        flat = flatten_inputs(probe, (volume.shape[1], *dims))
+        if flat and shard_linears(self.module, self.grid, flat, pending_only=True):
+            self._rebuild_sync()
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        volume = _first_volume(args, kwargs)
+        key = None
+        if volume is not None and self.grid.spatial_size > 1:
+            key = self.shapes.input_dims(volume, "model input")
+            if self.__dict__["_shape_probe"] is not None:
+                self._shard_before_forward(volume, key)
         if self.sync is not None and torch.is_grad_enabled():
             self.sync.prepare()
         if self.channels_last:
             args = tuple(layout.channels_last(a) if isinstance(a, torch.Tensor) else a for a in args)
             kwargs = {k: layout.channels_last(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-        volume = _first_volume(args, kwargs)
-        key = None
-        if volume is not None and self.grid.spatial_size > 1:
-            key = self.shapes.input_dims(volume, "model input")
         with self.shapes.forward(key):
             out = self.module(*args, **kwargs)
         if self._resharded:

@@ -28,6 +28,7 @@ from parallel.layers.pad import SpatialCircularPad3d, SpatialConstantPad3d, Spat
 from parallel.layers.pool import SpatialAvgPool3d, SpatialMaxPool3d
 from parallel.layers.shapes import ShapeTracker
 from parallel.layers.upsample import SpatialUpsample
+from parallel.flatshard import flatten_inputs, meta_copy, shard_linears
 from parallel.parallel_module import ParallelModule
 from parallel.recompute import checkpoint_blocks
 
@@ -159,49 +160,6 @@ def _seed_dropout(module: nn.Module, grid: Grid, seed: int | None) -> None:
         layer.seed(group_seed, rank_seed, grid.device)
 
 
-def flatten_inputs(model: nn.Module, input_shape: Sequence[int]) -> dict[str, tuple[int, ...]]:
-    """The per-sample input shape of every ``nn.Flatten`` of the serial ``model`` for a
-    sample of ``input_shape`` (C, D, H, W), from a forward on the meta device (no memory,
-    no compute, the model's own tensors untouched); empty where the model cannot run there."""
-    from torch.func import functional_call
-
-    found: dict[str, tuple[int, ...]] = {}
-
-    def record(name: str) -> Any:
-        def hook(module: nn.Module, inputs: tuple, output: Any) -> None:
-            found.setdefault(name, tuple(inputs[0].shape[1:]))
-        return hook
-
-    hooks = [m.register_forward_hook(record(name)) for name, m in model.named_modules() if isinstance(m, nn.Flatten)]
-    if not hooks:
-        return found
-    meta = {k: torch.empty_like(v, device="meta") for k, v in (*model.named_parameters(), *model.named_buffers())}
-    dtype = next((v.dtype for v in meta.values() if v.is_floating_point()), torch.float32)
-    try:
-        with torch.no_grad():
-            functional_call(model, meta, (torch.empty((1, *input_shape), device="meta", dtype=dtype),))
-    except Exception as err:  # noqa: BLE001 - a model that needs real tensors: its Linear stays whole
-        log.info("Linear weights stay whole: the model does not run on the meta device (%s: %s)",
-                 type(err).__name__, err)
-        found.clear()
-    finally:
-        for h in hooks:
-            h.remove()
-    return found
-
-
-def _shard_linears(model: nn.Module, grid: Grid, flat: Mapping[str, tuple[int, ...]]) -> None:
-    """Shard each Flatten+Linear weight whose volume is split (not after a global pool)."""
-    for name, m in model.named_modules():
-        shape = flat.get(m.flatten_name) if isinstance(m, SpatialLinear) else None
-        if shape is None or len(shape) != 4:
-            continue
-        if any(n < s for n, s in zip(shape[1:], grid.spatial)):  # replicated (a global pool's output)
-            continue
-        m.shard_weight(shape[0], tuple(shape[1:]))  # type: ignore[arg-type]
-        log.debug("%s: weight sharded by block, %d of %d columns", name, m.weight.shape[1], m.in_features)
-
-
 def _cost_model() -> Any:
     """The machine figures ``overlap_halo="auto"`` decides with (the calibration, else generic)."""
     from parallel.plan.machine import Machine
@@ -232,8 +190,9 @@ def parallelize(model: nn.Module, grid: Grid, *, sync_batchnorm: bool = False,
     (``parallel.layers.linear``): the weight, gradient and optimiser state per rank fall by
     the split, and ``state_dict`` gathers the whole weight (a collective over the spatial
     group). With ``input_shape`` (one sample's (C, D, H, W)) the weight is cut here; without
-    it, at the layer's first forward on a split block (the parameter object stays the same,
-    so an optimiser built before that forward holds the shard);
+    it, at the model's first forward on a split block, before any layer runs
+    (``parallel.flatshard``; the parameter object stays the same, so an optimiser built
+    before that forward holds the shard);
     ``conv_path`` is how split convolutions run: ``"shell"`` (the block convolved in place,
     the halos' contributions added), ``"window"`` (block and halos copied into one tensor,
     one convolution) or ``"auto"``: per layer, the faster of the two, timed at its first
@@ -256,8 +215,13 @@ def parallelize(model: nn.Module, grid: Grid, *, sync_batchnorm: bool = False,
     model.to(grid.device)
     serial = _serial_copy(model) if verify is not None and verify is not False else None
     shapes = ShapeTracker(grid)
-    flat = flatten_inputs(model, input_shape) if input_shape is not None and shard_linear and \
-        grid.spatial_size > 1 else {}
+    flat: Mapping[str, tuple[int, ...]] = {}
+    probe = None  # without input_shape: the serial structure on the meta device, traced at the first forward
+    if shard_linear and grid.spatial_size > 1 and any(isinstance(m, nn.Flatten) for m in model.modules()):
+        if input_shape is not None:
+            flat = flatten_inputs(model, input_shape)
+        else:
+            probe = meta_copy(model)
     if grid.spatial_size > 1 or sync_batchnorm:
         if grid.spatial_size > 1:
             _check_supported(type(model).__name__, model)
@@ -287,13 +251,14 @@ def parallelize(model: nn.Module, grid: Grid, *, sync_batchnorm: bool = False,
     if overlap_halo is not None and not isinstance(overlap_halo, bool) and overlap_halo != "auto":
         raise ValueError(f"overlap_halo must be True, False or 'auto', got {overlap_halo!r}")
     if flat:  # after the broadcast: every rank cuts its columns of the same weight
-        _shard_linears(model, grid, flat)
-    if shard_linear and grid.spatial_size > 1:  # the rest shard at their first forward on a split block
+        shard_linears(model, grid, flat)
+    pending = False
+    if shard_linear and grid.spatial_size > 1:  # the rest shard at the first forward on a split block
         for m in model.modules():
             if isinstance(m, SpatialLinear) and m.shard is None and m.flatten_name:
-                m.shard_pending = True
+                m.shard_pending = pending = True
     log.debug("parallelised %s over %s", type(model).__name__, grid.describe())
-    pmodel = ParallelModule(model, grid, shapes, bucket_mb)
+    pmodel = ParallelModule(model, grid, shapes, bucket_mb, shape_probe=probe if pending else None)
     if channels_last:
         _lay_out_channels_last(pmodel)
     if serial is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import threading
 from typing import Any
 
 import torch
@@ -34,20 +35,28 @@ def _sharded(pmodel: parallel.ParallelModule) -> SpatialLinear:
 
 
 def training_equals_serial(grid: Grid, optim: str, shape: tuple[int, ...] = SHAPE, pool: bool = True,
-                           steps: int = 3, lazy: bool = False) -> dict[str, Any]:
+                           steps: int = 3, lazy: bool = False, meta: bool = True) -> dict[str, Any]:
     """``steps`` training steps (float64) with the Linear's weight sharded equal the serial
     model's: outputs, gradients (this rank's columns), weights and the optimiser's state, and
     ``state_dict`` gathers the serial tensors. Returns the shard's shapes. ``lazy``: no
     ``input_shape``, so the weight is sharded at the first forward, after the optimiser
-    was built on the whole parameter."""
+    was built on the whole parameter: cut before the model's first layer runs (from a trace
+    of the serial structure on the meta device), or, ``meta=False`` (a model that cannot be
+    copied there), when the forward reaches the Linear."""
     torch.manual_seed(0)
     serial = net(shape, pool).double()
-    pmodel = parallel.parallelize(copy.deepcopy(serial), grid, input_shape=None if lazy else shape)
+    model = copy.deepcopy(serial)
+    if not meta:
+        model.lock = threading.Lock()  # type: ignore[assignment]  # a model deepcopy cannot copy
+    pmodel = parallel.parallelize(model, grid, input_shape=None if lazy else shape)
     if lazy:
         whole = [m for m in pmodel.module.modules() if isinstance(m, SpatialLinear) and m.shard_pending]
         if len(whole) != 1 or whole[0].weight.shape[1] != whole[0].in_features:
             raise AssertionError(f"before the first forward: expected one whole weight waiting, got {whole}")
         param = whole[0].weight
+        cut_before_first_layer: list[bool] = []
+        pmodel.module[0].register_forward_pre_hook(
+            lambda module, inputs: cut_before_first_layer.append(whole[0].shard is not None))
 
     def make(params: Any) -> torch.optim.Optimizer:
         if optim == "adamw":
@@ -63,6 +72,8 @@ def training_equals_serial(grid: Grid, optim: str, shape: tuple[int, ...] = SHAP
             layer = _sharded(pmodel)
             if lazy and layer.weight is not param:
                 raise AssertionError("sharding at the first forward replaced the parameter the optimiser holds")
+            if lazy and cut_before_first_layer != [meta]:
+                raise AssertionError(f"weight cut before the first layer ran: {cut_before_first_layer}, expected {meta}")
         out.square().mean().backward()
         r0, r1 = grid.batch_range(x.shape[0])
         cases.assert_close(out.detach(), serial(x[r0:r1]).detach(), f"step {step} output", rtol=cases.RTOL64)

@@ -27,13 +27,17 @@ def test_sharded_training_equals_serial(pools, spatial, data, shape, pool, optim
     assert sum(r["columns"] for r in results[:split]) == results[0]["in_features"]
 
 
-@pytest.mark.parametrize("spatial,data,optim", [((2, 1, 1), 1, "sgd"), ((2, 1, 1), 2, "adamw")],
-                         ids=["D2-sgd", "D2-data2-adamw"])
-def test_sharded_at_the_first_forward_without_input_shape(pools, spatial, data, optim):
+@pytest.mark.parametrize("spatial,data,optim,meta", [((2, 1, 1), 1, "sgd", True), ((2, 1, 1), 2, "adamw", True),
+                                                     ((2, 1, 1), 1, "sgd", False)],
+                         ids=["D2-sgd", "D2-data2-adamw", "D2-sgd-no-meta-copy"])
+def test_sharded_at_the_first_forward_without_input_shape(pools, spatial, data, optim, meta):
     """No input_shape: the weight is sharded at the first forward, after the optimiser was
-    built on the whole parameter, and training still equals the serial model's."""
+    built on the whole parameter, before the first layer runs (or, for a model that cannot
+    be copied to the meta device, when the forward reaches the Linear), and training still
+    equals the serial model's."""
     world = math.prod(spatial) * data
-    results = pools.run(world, shard_cases.training_equals_serial, optim, SHAPE, True, 2, True, spatial=spatial)
+    results = pools.run(world, shard_cases.training_equals_serial, optim, SHAPE, True, 2, True, meta,
+                        spatial=spatial)
     for r in results:
         assert r["weight"] == [5, r["columns"]] and r["columns"] < r["in_features"], r
         assert all(s == r["weight"] for s in r["grad_or_state"]) and r["grad_or_state"], r

@@ -7,8 +7,10 @@ result is replicated on every rank of the group.
 
 The weight is *sharded* by block: each rank keeps only its block's columns as the parameter,
 ``(out, C x block voxels)``. ``parallelize(..., input_shape=...)`` (as the training loop and
-the benchmarks call it) shards it at once; without ``input_shape`` the layer shards it at
-its first forward on a split block, when the volume is known (``shard_pending``). The
+the benchmarks call it) shards it at once; without ``input_shape`` it is sharded at the
+model's first forward on a split block, when the volume is known, before any layer runs
+(``parallel.flatshard``), or, for a model the meta device cannot trace, at this layer's
+first forward (``shard_pending``). The
 parameter object stays the same (its data is replaced), so an optimiser built before that
 forward holds the shard; optimiser state that already has the whole shape (loaded before
 the first forward) is cut at the next ``step`` (``_cut_stale_state``), and the model's
