@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from parallel import comm, layout
+from parallel.flatshard import flatten_inputs, meta_copy, shard_linears
 from parallel.grid import Grid
 from parallel.layers.adaptive import SpatialAdaptiveAvgPool3d, SpatialAdaptiveMaxPool3d
 from parallel.layers.base import SpatialMixin, convert
@@ -28,7 +29,6 @@ from parallel.layers.pad import SpatialCircularPad3d, SpatialConstantPad3d, Spat
 from parallel.layers.pool import SpatialAvgPool3d, SpatialMaxPool3d
 from parallel.layers.shapes import ShapeTracker
 from parallel.layers.upsample import SpatialUpsample
-from parallel.flatshard import flatten_inputs, meta_copy, shard_linears
 from parallel.parallel_module import ParallelModule
 from parallel.recompute import checkpoint_blocks
 
