@@ -163,15 +163,21 @@ def test_busy_layer_times_take_the_slowest_rank_only_for_split_layers():
 def test_peers_prints_the_project_and_block_rows_and_names_absent_peers():
     """One tiny case: the project's split conv (as parallelised, and on each forced path)
     against the block floor, ratios > 0; every peer this interpreter cannot import is
-    reported absent (in the summary and the table) and skipped."""
+    reported absent (in the summary and the table) and skipped. And the whole CosmoFlow
+    step case: the split step and the floor over the serial step, DistConv's beside them
+    where it imports."""
     sys.path.insert(0, str(ROOT))
     from parallel.bench.peers import peer_status
 
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark.py"), "peers", "--cases",
-                          "conv-k3-s1-D-c2-n8", "--trials", "1"], capture_output=True, text=True, timeout=240,
-                         check=True, cwd=ROOT)
+                          "conv-k3-s1-D-c2-n8,step-cosmoflow-D-n64", "--trials", "1"], capture_output=True,
+                         text=True, timeout=240, check=True, cwd=ROOT)
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    row, summary = rows[0], rows[-1]
+    row, step, summary = rows[0], rows[1], rows[-1]
+    assert step["case"] == "step-cosmoflow-D-n64" and set(step["seconds"]) >= {"serial", "project", "floor"}
+    assert 0 < step["over_serial"]["project"] and 0 < step["over_serial"]["floor"]
+    assert summary["project_over_serial_step-cosmoflow-D-n64"] == step["over_serial"]["project"]
+    assert ("distconv" in step["over_serial"]) == (peer_status()["distconv"] is None)
     assert row["kind"] == "peers" and row["case"] == "conv-k3-s1-D-c2-n8" and row["local_block"] == [4, 8, 8]
     assert set(row["over_block"]) >= {"project", "project_shell", "project_window"}
     assert all(v > 0 for v in row["over_block"].values())

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import parallel
-from parallel.bench.shared import Rows
+from parallel.bench.peer_step import StepCase, parse_step
+from parallel.bench.shared import Rows, agree
 from parallel.bench.timing import interleaved, load, median, ratio
 from parallel.grid import Grid
 from parallel.layers.kernels import conv3d
@@ -83,6 +84,8 @@ FULL = [Case("conv", k, s, sp, c, n) for n in (64, 128) for c in (32, 64) for sp
         for k in (3, 5) for s in (1, 2)]
 FULL += [Case("convT", 2, 2, sp, 32, n) for n in (64, 128) for sp in SPLITS]
 FULL += [Case("maxpool", 2, 2, sp, 32, n) for n in (64, 128) for sp in SPLITS]
+STEPS = [StepCase("D", 64), StepCase("W", 64)]
+"""The whole CosmoFlow step against DistConv's (``parallel.bench.peer_step``): in the full set."""
 
 
 def peer_status() -> dict[str, str | None]:
@@ -153,15 +156,6 @@ def _distconv(case: Case, grid: Grid, layer: nn.Module, shape: tuple[int, ...]) 
     return run
 
 
-def _agree(ok: bool, grid: Grid) -> bool:
-    """Whether every rank of the group says ``ok`` (a peer is dropped on all ranks or none)."""
-    from parallel import comm
-
-    t = torch.tensor([0.0 if ok else 1.0])
-    comm.all_reduce_(t, grid.spatial_group, "max", caller="bench.peers")
-    return t.item() == 0.0
-
-
 def time_case(grid: Grid, case: Case, trials: int, peers: tuple[str, ...], paths: tuple[str, ...]) -> dict[str, Any]:
     """Seconds per trial (forward and backward apart) of every contestant on this rank's
     block, their ratios, and why any peer was skipped."""
@@ -209,7 +203,7 @@ def time_case(grid: Grid, case: Case, trials: int, peers: tuple[str, ...], paths
                 reason = f"output differs from the project's by {err:.3g}"
         except Exception as e:  # noqa: BLE001 - a peer that fails here is reported, not fatal
             reason = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-        if not _agree(not reason, grid):
+        if not agree(not reason, grid.spatial_group):
             skipped[name] = reason or "failed on another rank"
             continue
         runs[name] = (lambda r, xp: lambda: timed(xp, r, lambda yb, gg: yb[1](gg)))(run, xp)
@@ -245,7 +239,7 @@ def time_cases(grid: Grid, cases: list[Case], trials: int, peers: tuple[str, ...
 def command_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help=f"the {len(QUICK)} quick cases (minutes on 2 cores)")
     p.add_argument("--cases", default=None, help="comma list of case ids, e.g. conv-k3-s1-D-c32-n64 "
-                   "(default: the full set, or --quick's)")
+                   "or step-cosmoflow-D-n64 (the whole training step; default: the full set, or --quick's)")
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--paths", default="shell,window", help="also time the split conv with its path forced "
                    "(comma list of shell, window; empty: none)")
@@ -256,6 +250,12 @@ def _table(rows: list[dict[str, Any]], absent: dict[str, str]) -> list[str]:
     lines = [f"{'case':28} {'project/best peer':>18} {'(cpu)':>6} {'project/block':>14} {'(cpu)':>6} " +
              " ".join(f"{p + '/block':>17}" for p in PEERS)]
     for r in rows:
+        if r["case"].startswith("step-"):
+            serial = " ".join(f"{k}/serial {v:.3f}" for k, v in r["over_serial"].items())
+            best = r.get("over_best_peer", {}).get("project")
+            lines.append(f"{r['case']:28} {'-' if best is None else round(best, 3)!s:>18}   {serial}")
+            lines += [f"    {p}: skipped ({why})" for p, why in r["skipped"].items() if p not in absent]
+            continue
         best = [r.get(k, {}).get("project") for k in ("over_best_peer", "cpu_over_best_peer")]
         best_text = [f"{'-' if b is None else round(b, 3)!s}" for b in best]
         peers = " ".join(f"{r['over_block'][p]:17.3f}" if p in r["over_block"] else f"{'-':>17}" for p in PEERS)
@@ -268,10 +268,13 @@ def _table(rows: list[dict[str, Any]], absent: dict[str, str]) -> list[str]:
 
 def command(args: argparse.Namespace) -> Rows:
     """This project's split layers against the block floor and the importable peers."""
+    from parallel.bench.peer_step import time_steps
     from parallel.bench.ranks import run_ranks
     from parallel.bench.shared import plot
 
-    cases = [parse_case(t) for t in args.cases.split(",")] if args.cases else (QUICK if args.quick else FULL)
+    texts = args.cases.split(",") if args.cases else None
+    cases = [parse_case(t) for t in texts if not t.startswith("step-")] if texts else (QUICK if args.quick else FULL)
+    steps = [parse_step(t) for t in texts if t.startswith("step-")] if texts else ([] if args.quick else STEPS)
     status = peer_status()
     wanted = tuple(p for p in args.peers.split(",") if p)
     unknown = [p for p in wanted if p not in PEERS]
@@ -295,13 +298,32 @@ def command(args: argparse.Namespace) -> Rows:
             row = {"kind": "peers", "case": c.id, **r}
             rows.append(row)
             yield row
+    for split in SPLITS:
+        mine_steps = [c for c in steps if c.split == split]
+        if not mine_steps:
+            continue
+        results = run_ranks(2, time_steps, mine_steps, args.trials, present, spatial=mine_steps[0].spatial,
+                            timeout=7200.0)[0]
+        for c, r in zip(mine_steps, results):
+            row = {"kind": "peers", "case": c.id, **r}
+            rows.append(row)
+            yield row
     for r in rows:
+        if r["case"].startswith("step-"):
+            summary[f"project_over_serial_{r['case']}"] = r["over_serial"]["project"]
+            if "distconv" in r["over_serial"]:
+                summary[f"distconv_over_serial_{r['case']}"] = r["over_serial"]["distconv"]
+                summary[f"project_over_best_peer_{r['case']}"] = r["over_best_peer"]["project"]
+            continue
         summary[f"project_over_block_{r['case']}"] = r["over_block"]["project"]
         if "over_best_peer" in r:
             summary[f"project_over_best_peer_{r['case']}"] = r["over_best_peer"]["project"]
     summary["table"] = _table(rows, absent)
 
+    conv_rows = [r for r in rows if "over_block" in r]
+
     def draw(ax: Any) -> None:
+        rows = conv_rows
         names = ["project", *PEERS]
         for i, name in enumerate(names):
             vals = [r["over_block"].get(name, float("nan")) for r in rows]

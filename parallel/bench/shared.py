@@ -42,3 +42,14 @@ def plot(args: argparse.Namespace, name: str, draw: Callable[[Any], None]) -> st
     plt.close(fig)
     return str(path)
 
+
+
+def agree(ok: bool, group: object) -> bool:
+    """Whether every rank of ``group`` says ``ok`` (a peer is dropped on all ranks or none)."""
+    import torch
+
+    from parallel import comm
+
+    t = torch.tensor([0.0 if ok else 1.0])
+    comm.all_reduce_(t, group, "max", caller="bench.agree")
+    return t.item() == 0.0

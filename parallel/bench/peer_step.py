@@ -1,0 +1,180 @@
+"""The whole CosmoFlow training step against LBANN DistConv's, on one harness
+(``scripts/benchmark.py peers --cases step-cosmoflow-D-n64``).
+
+On a 2-rank world, interleaved trial by trial (``parallel.bench.timing.interleaved``):
+
+- ``serial``: the plain model on the whole batch, rank 0 alone (one thread), the other
+  rank idle, as in ``benchmark.py step``;
+- ``project``: the same model under ``parallelize`` on a 2-way split (the Flatten+Linear
+  weight sharded by block, as the training loop runs it), its block of the batch;
+- ``distconv``: the same model run the way DistConv's PyTorch package runs a network: the
+  convolution blocks on a ``DCTensor`` (its halo exchange; the activations and pooling
+  act on the shard), ``to_ddp()`` to hand each rank one sample of the batch for the dense
+  head, and ``DistConvDDP`` for the gradients;
+- ``floor``: both ranks running the plain model on a block-sized volume at once, no
+  communication (what the split step would take if halos and reductions cost nothing).
+
+Each step is forward, a mean-square loss over the global batch, backward and an SGD step
+with momentum. Before the timing, DistConv's loss and first convolution's weight gradient
+are checked against the serial model's (dropout off): a peer that computes something else
+is skipped with the reason, as in ``parallel.bench.peers``.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+import parallel
+from parallel.bench.shared import agree
+from parallel.bench.step import Stepper, make_model, step_grids
+from parallel.bench.timing import interleaved, median, ratio
+from parallel.grid import Grid
+
+SPLITS = {"D": (2, 1, 1), "W": (1, 1, 2)}
+
+
+@dataclass(frozen=True)
+class StepCase:
+    """The training step of ``model`` at ``size``^3, global batch ``batch``, split 2 ways."""
+
+    split: str
+    size: int
+    model: str = "cosmoflow"
+    batch: int = 2
+
+    @property
+    def id(self) -> str:
+        return f"step-{self.model}-{self.split}-n{self.size}"
+
+    @property
+    def spatial(self) -> tuple[int, int, int]:
+        return SPLITS[self.split]  # type: ignore[return-value]
+
+
+def parse_step(text: str) -> StepCase:
+    """``step-cosmoflow-D-n64`` -> StepCase; a clear error naming what is wrong."""
+    parts = text.split("-")
+    try:
+        _, model, split, n = parts
+        if model != "cosmoflow" or split not in SPLITS or not n.startswith("n"):
+            raise ValueError
+        return StepCase(split, int(n[1:]), model)
+    except ValueError:
+        raise ValueError(f"peers step case {text!r}: expected step-cosmoflow-SPLIT-nN with SPLIT in "
+                         f"{', '.join(SPLITS)} (e.g. step-cosmoflow-D-n64); DistConv has no U-Net "
+                         "layers (transposed convolutions, norms) to compare") from None
+
+
+class _OnDCTensor(nn.Module):
+    """CosmoFlow as DistConv runs a network: convolution blocks on the shard, the dense
+    head on the batch dim after ``to_ddp()``."""
+
+    def __init__(self, model: nn.Module, strategy: Any) -> None:
+        super().__init__()
+        self.model = model
+        self.strategy = strategy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from distconv import DCTensor
+
+        m = self.model
+        if m.input_shift != 0.0 or m.input_scale != 1.0:  # element-wise: the same on the shard
+            x = (x - m.input_shift) * m.input_scale
+        y = m.features(DCTensor.from_shard(x, self.strategy))
+        return m.head(y.to_ddp())
+
+
+class DistConvStepper:
+    """One DistConv training step on this rank's block of the batch."""
+
+    def __init__(self, grid: Grid, model: nn.Module, x_block: torch.Tensor, batch: int) -> None:
+        from distconv import DistConvDDP, ParallelStrategy
+
+        axis = next(a for a in range(3) if grid.spatial[a] > 1)
+        self.strategy = ParallelStrategy(num_shards=(grid.spatial[axis],), shard_dim=(axis + 2,),
+                                         device_type="cpu")
+        self.net = DistConvDDP(_OnDCTensor(model, self.strategy), parallel_strategy=self.strategy)
+        self.opt = torch.optim.SGD(self.net.parameters(), lr=1e-4, momentum=0.9)
+        self.x = x_block
+        self.batch = batch
+
+    def loss(self) -> torch.Tensor:
+        # Each rank holds batch / ranks samples after to_ddp(); DistConvDDP sums the ranks'
+        # gradients, so the global mean (Stepper's loss) is the local sum over all the
+        # batch's outputs.
+        out = self.net(self.x).float()
+        return out.square().sum() / (self.batch * out[0].numel())
+
+    def step(self) -> None:
+        self.loss().backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+
+def _distconv_check(grid: Grid, case: StepCase, model: nn.Module, x: torch.Tensor, x_block: torch.Tensor) -> str:
+    """Why DistConv's step is not the serial step here ('' where it is): loss and the first
+    convolution's weight gradient, dropout off."""
+    serial = copy.deepcopy(model).eval()
+    loss = serial(x).float().square().mean()
+    loss.backward()
+    ref = serial.features[0].weight.grad
+    peer = DistConvStepper(grid, copy.deepcopy(model).eval(), x_block, case.batch)
+    mine = peer.loss()
+    mine.backward()
+    total = mine.detach().clone()
+    torch.distributed.all_reduce(total)  # the ranks' parts of the global mean
+    got = peer.net.module.model.features[0].weight.grad
+    scale = max(1.0, float(ref.abs().max()))
+    total, loss = total.detach(), loss.detach()
+    if abs(float(total) - float(loss)) > 1e-4 * max(1.0, abs(float(loss))):
+        return f"loss {float(total):.6g} differs from the serial {float(loss):.6g}"
+    if float((got - ref).abs().max()) > 1e-4 * scale:
+        return f"features.0.weight gradient differs from the serial by {float((got - ref).abs().max()):.3g}"
+    return ""
+
+
+def time_step(grid: Grid, case: StepCase, trials: int, peers: tuple[str, ...]) -> dict[str, Any]:
+    """Seconds per step of serial, project, DistConv (where present and equal) and the floor."""
+    serial_grid, _ = step_grids(grid)
+    size = (case.size,) * 3
+    model, in_shape = make_model(case.model, size, [])
+    steppers: dict[str, Any] = {
+        "serial": Stepper(serial_grid, case.model, size, [], case.batch, active=grid.rank == 0),
+        "project": Stepper(grid, case.model, size, [], case.batch),
+    }
+    skipped: dict[str, str] = {}
+    if "distconv" in peers:
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn((case.batch, *in_shape), generator=gen)  # the batch Stepper draws
+        x_block = parallel.scatter(x, grid).clone()
+        try:
+            reason = _distconv_check(grid, case, model, x, x_block)
+        except Exception as e:  # noqa: BLE001 - a peer that fails is reported, not fatal
+            reason = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        if agree(not reason, grid.world_group):
+            steppers["distconv"] = DistConvStepper(grid, copy.deepcopy(model), x_block, case.batch)
+        else:
+            skipped["distconv"] = reason or "failed on another rank"
+    if "shardtensor" in peers:
+        skipped["shardtensor"] = "not in the step harness (its backward fails on this torch: docs/performance.md)"
+    block = [n // s for n, s in zip(size, grid.spatial)]
+    try:
+        steppers["floor"] = Stepper(serial_grid, case.model, block, [], case.batch)
+    except ValueError as e:  # the model does not fit a block-sized volume (small test cases)
+        skipped["floor"] = str(e)
+    times = interleaved({k: s.step for k, s in steppers.items()}, trials, warmup=1, group=grid.world_group)
+    out: dict[str, Any] = {"seconds": {k: median(v) for k, v in times.items()}, "skipped": skipped,
+                           "over_serial": {k: ratio(times[k], times["serial"]) for k in steppers if k != "serial"}}
+    if "distconv" in steppers:
+        out["over_best_peer"] = {"project": ratio(times["project"], times["distconv"])}
+    return out
+
+
+def time_steps(grid: Grid, cases: list[StepCase], trials: int, peers: tuple[str, ...]) -> list[dict[str, Any]]:
+    """``time_step`` for each case of one split, in one set of ranks."""
+    return [time_step(grid, c, trials, peers) for c in cases]
