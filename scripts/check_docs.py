@@ -143,6 +143,8 @@ RULES = [
     Rule(r"^python -m parallel\.plan ", "ci"),
     Rule(r"peers-venv", "skip", "installs the peers (not dependencies) from the registry into a scratch "
          "environment; the peers command above runs without them (--all)"),
+    Rule(r"^PYTHONPATH=\.:peers/DistConv python scripts/benchmark\.py peers ", "skip",
+         "needs LBANN DistConv from a checkout in peers/ (not a dependency; the registry has no copy)"),
     Rule(r"^python scripts/benchmark\.py peers$", "skip", "the full peers set takes hours on 2 cores (--quick runs)"),
     Rule(r"^python scripts/benchmark\.py ", "all", "as written (minutes each)", timeout=3600),
     Rule(r"^python scripts/compare_optim\.py ", "all", "as written: the sweep and the 12 runs take 15-30 minutes each",

@@ -138,8 +138,11 @@ def _distconv_check(grid: Grid, case: StepCase, model: nn.Module, x: torch.Tenso
     return ""
 
 
-def time_step(grid: Grid, case: StepCase, trials: int, peers: tuple[str, ...]) -> dict[str, Any]:
-    """Seconds per step of serial, project, DistConv (where present and equal) and the floor."""
+def time_step(grid: Grid, case: StepCase, trials: int, peers: tuple[str, ...],
+              paths: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Seconds per step of serial, project (the training loop's default conv path, and each
+    of ``paths`` forced as ``parallel.conv_path`` would), DistConv (where present and equal)
+    and the floor."""
     serial_grid, _ = step_grids(grid)
     size = (case.size,) * 3
     model, in_shape = make_model(case.model, size, [])
@@ -147,6 +150,8 @@ def time_step(grid: Grid, case: StepCase, trials: int, peers: tuple[str, ...]) -
         "serial": Stepper(serial_grid, case.model, size, [], case.batch, active=grid.rank == 0),
         "project": Stepper(grid, case.model, size, [], case.batch),
     }
+    for path in paths:
+        steppers[f"project_{path}"] = Stepper(grid, case.model, size, [], case.batch, conv_path=path)
     skipped: dict[str, str] = {}
     if "distconv" in peers:
         gen = torch.Generator().manual_seed(1)
@@ -171,10 +176,11 @@ def time_step(grid: Grid, case: StepCase, trials: int, peers: tuple[str, ...]) -
     out: dict[str, Any] = {"seconds": {k: median(v) for k, v in times.items()}, "skipped": skipped,
                            "over_serial": {k: ratio(times[k], times["serial"]) for k in steppers if k != "serial"}}
     if "distconv" in steppers:
-        out["over_best_peer"] = {"project": ratio(times["project"], times["distconv"])}
+        out["over_best_peer"] = {k: ratio(times[k], times["distconv"]) for k in steppers if k.startswith("project")}
     return out
 
 
-def time_steps(grid: Grid, cases: list[StepCase], trials: int, peers: tuple[str, ...]) -> list[dict[str, Any]]:
+def time_steps(grid: Grid, cases: list[StepCase], trials: int, peers: tuple[str, ...],
+               paths: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """``time_step`` for each case of one split, in one set of ranks."""
-    return [time_step(grid, c, trials, peers) for c in cases]
+    return [time_step(grid, c, trials, peers, paths) for c in cases]

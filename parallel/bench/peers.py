@@ -212,7 +212,11 @@ def time_case(grid: Grid, case: Case, trials: int, peers: tuple[str, ...], paths
         blocks = [times[k + key] for k in ("block_torch", "block_reordered", "block") if k + key in times]
         times["best_block" + key] = [min(v) for v in zip(*blocks)]
     timed_peers = [p for p in peers if p in runs]
+    chosen = [m.path_chosen for m in pmodel.modules() if getattr(m, "path_chosen", None)]
     out: dict[str, Any] = {"local_block": list(local), "skipped": skipped, "peers": timed_peers,
+                           "project_path": chosen[0] if chosen else None,
+                           "project_path_seconds": next((m.__dict__["path_seconds"] for m in pmodel.modules()
+                                                         if "path_seconds" in m.__dict__), None),
                            "seconds": {k: median(v) for k, v in times.items() if "." not in k},
                            "over_block": {k: ratio(times[k], times["best_block"]) for k in (*projects, *timed_peers)}}
     out["backward_over_block"] = {k: ratio(times[k + ".backward"], times["best_block.backward"])
@@ -302,7 +306,9 @@ def command(args: argparse.Namespace) -> Rows:
         mine_steps = [c for c in steps if c.split == split]
         if not mine_steps:
             continue
-        results = run_ranks(2, time_steps, mine_steps, args.trials, present, spatial=mine_steps[0].spatial,
+        step_paths = tuple(p for p in paths if p != "shell")  # the step's default is the shell
+        results = run_ranks(2, time_steps, mine_steps, args.trials, present, step_paths,
+                            spatial=mine_steps[0].spatial,
                             timeout=7200.0)[0]
         for c, r in zip(mine_steps, results):
             row = {"kind": "peers", "case": c.id, **r}

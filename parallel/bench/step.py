@@ -27,7 +27,7 @@ class Stepper:
 
     def __init__(self, grid: Grid, name: str, size: Sequence[int], overrides: Sequence[str], batch: int,
                  overlap: bool | str = False, recompute: bool = False, active: bool = True,
-                 channels_last: bool = False) -> None:
+                 channels_last: bool = False, conv_path: str = "shell") -> None:
         self.active = active
         if not active:
             return
@@ -35,7 +35,8 @@ class Stepper:
         self.device = grid.device
         # Flatten+Linear weights sharded by block, as the training loop runs them.
         self.pmodel = parallel.parallelize(model, grid, overlap_halo=overlap, recompute=recompute,
-                                           input_shape=in_shape, channels_last=channels_last)
+                                           input_shape=in_shape, channels_last=channels_last,
+                                           conv_path=conv_path)
         self.opt = torch.optim.SGD(self.pmodel.parameters(), lr=1e-4, momentum=0.9)
         gen = torch.Generator().manual_seed(1)
         x = torch.randn((batch, *in_shape), generator=gen)

@@ -159,6 +159,7 @@ class SpatialConv3d(SpatialMixin, nn.Conv3d):
             return go
         chosen, secs = faster_path(run("shell"), run("window"), self.grid.spatial_group, x.device)
         log.debug("%s: %s path (shell %.4g s, window %.4g s forward+backward)", self.where, chosen, *secs)
+        self.__dict__["path_seconds"] = {"shell": secs[0], "window": secs[1]}
         return chosen
 
     def _shell(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, shell: ShellGeometry,

@@ -54,6 +54,12 @@ class NonFinite(Choice):
     skip = "skip"
 
 
+class ConvPath(Choice):
+    shell = "shell"
+    window = "window"
+    auto = "auto"
+
+
 class DataCheck(Choice):
     none = "none"
     quick = "quick"
@@ -160,6 +166,15 @@ class ParallelConfig:
     """Lay activations out NDHWC (``torch.channels_last_3d``) from end to end: faster for
     cuDNN's bf16 convolutions; off by default because it was not faster on this project's
     CPU measurements (``docs/performance.md``). Checkpoints are unchanged."""
+    conv_path: ConvPath = ConvPath.shell
+    """How split convolutions run (``parallelize(..., conv_path=...)``): ``shell`` (the block
+    convolved in place plus thin halo corrections: no copy, the path memory budgets are
+    predicted for), ``window`` (block and halos copied into one window, one convolution: as
+    LBANN DistConv and PhysicsNeMo run them; often faster on CPUs, a block-sized copy kept
+    per layer), or ``auto`` (both timed per layer at its first step, the faster kept; the
+    choice can differ between runs, so float32 results can differ in the last bits between
+    a run and its resumption). All three equal the serial layer (``docs/performance.md``,
+    "How the peers get their speed")."""
     timeout_s: float = 600.0
     """Bound on every collective, and how long a silent peer may go without a heartbeat:
     a dead or hung peer ends the job instead of hanging it."""

@@ -33,8 +33,8 @@ from parallel.train.evaluate import evaluate
 from parallel.train.family import Family
 from parallel.train.mlperf import log_submission, open_log
 from parallel.train.optim import Schedule, build_optimizer
-from parallel.train.report import (Reporter, format_summary, gather_per_rank, peak_memory_bytes, peak_reserved_bytes,
-                                   reset_peak_memory, summarize)
+from parallel.train.report import (Reporter, conv_paths, format_summary, gather_per_rank, peak_memory_bytes,
+                                   peak_reserved_bytes, reset_peak_memory, summarize)
 from parallel.train.scaler import LossScaler
 from parallel.train.profile import StepProfiler
 from parallel.train.state import TrainState, plain_config
@@ -99,7 +99,8 @@ class Trainer:
         self.pmodel = checks.verify(self.model, lambda: parallel.parallelize(
             self.model, grid, seed=cfg.train.seed, overlap_halo=cfg.parallel.overlap_halo,
             recompute=cfg.train.activation_checkpointing, input_shape=(facts.channels, *self.data.volume),
-            shard_linear=str(cfg.optim.name) != "kfac", channels_last=cfg.parallel.channels_last), grid)
+            shard_linear=str(cfg.optim.name) != "kfac", channels_last=cfg.parallel.channels_last,
+            conv_path=str(cfg.parallel.conv_path)), grid)
         compile_model(self.pmodel, cfg.train.compile)  # train.compile: after the eager model's verification
         reset_peak_memory(grid.device)  # the summary's peaks are training's, not the float64 verification's
         # one global stream per data group, alike on the ranks of a spatial group (the serial run's for
@@ -266,6 +267,7 @@ class Trainer:
             "samples_per_s": session["samples"] / train_s if train_s > 0 else 0.0, "session": session,
             "run_dir": cfg.run.dir, "checkpoints": self.writer.costs(),
             "last_eval_step": last_eval_step, "skipped_steps": p.skipped_steps,
+            "conv_paths": conv_paths(self.pmodel),  # how the split convolutions ran (parallel.conv_path)
             "clipped_steps": self.train_step.clipped,  # this session's steps whose gradients were clipped
             "skipped_samples": int(round(_data_mean(torch.tensor(float(p.skipped_samples), device=grid.device), grid)
                                          * grid.data_size)),

@@ -196,6 +196,17 @@ def summarize(grid: Grid, values: dict[str, Any], per_rank: torch.Tensor, sample
     return out
 
 
+def conv_paths(model: Any) -> dict[str, int]:
+    """How many split convolutions took each path at their last forward (``parallel.conv_path``:
+    ``shell`` or ``window``; ``auto`` resolves to one of them per layer)."""
+    out: dict[str, int] = {}
+    for m in model.modules():
+        path = getattr(m, "path_chosen", None)
+        if path is not None:
+            out[path] = out.get(path, 0) + 1
+    return out
+
+
 def format_summary(s: dict[str, Any]) -> str:
     """A few human lines of the summary."""
     mib = [f"{v / 2**20:.0f}" for v in s["peak_memory_bytes_per_rank"]]
