@@ -33,6 +33,7 @@ import parallel
 from parallel.bench.shared import agree
 from parallel.bench.step import Stepper, make_model, step_grids
 from parallel.bench.timing import interleaved, median, ratio
+from parallel.comm import all_reduce_
 from parallel.grid import Grid
 
 SPLITS = {"D": (2, 1, 1), "W": (1, 1, 2)}
@@ -127,7 +128,7 @@ def _distconv_check(grid: Grid, case: StepCase, model: nn.Module, x: torch.Tenso
     mine = peer.loss()
     mine.backward()
     total = mine.detach().clone()
-    torch.distributed.all_reduce(total)  # the ranks' parts of the global mean
+    all_reduce_(total, grid.spatial_group, caller="peer_step._distconv_check")  # the ranks' parts of the global mean
     got = peer.net.module.model.features[0].weight.grad
     scale = max(1.0, float(ref.abs().max()))
     total, loss = total.detach(), loss.detach()

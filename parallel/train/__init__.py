@@ -5,7 +5,8 @@
 
 Split by concern, one idea a module:
 
-- configuration: ``config`` (typed sections), ``from_hydra`` (Hydra's composed config ->
+- configuration: ``config`` (typed sections), ``choices`` (their fixed-choice
+  values, as Enums), ``from_hydra`` (Hydra's composed config ->
   that typed tree, refusing unknown keys), ``hydra_conf`` (Hydra's own settings: output
   directories, help, sweep launchers), ``cli`` (the Hydra entry point);
 - model families: ``family`` (what a model supplies, and the registry by name),

@@ -10,97 +10,13 @@ its own section.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, Optional
 
 from parallel.kfac.config import KFACConfig
+from parallel.train.choices import (  # noqa: F401 - re-exported: callers import them from here
+    Choice, Precision, OptimName, Decay, NonFinite, ConvPath, DataCheck, Division, MomentumForm,
+    DecayBoundary, EvalMode, EvalAverage, Usage, Status)
 from parallel.train.from_hydra import UnknownKeyError, to_dataclass, unknown_keys  # noqa: F401 - their home
-
-
-class Choice(str, Enum):
-    """A config field with a fixed set of values (OmegaConf validates Enums, not Literals).
-
-    Members compare equal to, print as and serialise as their string value.
-    """
-
-    def __str__(self) -> str:
-        return str(self.value)
-
-    def __format__(self, spec: str) -> str:
-        return format(str(self.value), spec)
-
-
-class Precision(Choice):
-    fp32 = "fp32"
-    bf16 = "bf16"
-    fp16 = "fp16"
-    fp64 = "fp64"
-
-
-class OptimName(Choice):
-    sgd = "sgd"
-    adamw = "adamw"
-    kfac = "kfac"
-
-
-class Decay(Choice):
-    none = "none"
-    step = "step"
-    cosine = "cosine"
-
-
-class NonFinite(Choice):
-    fail = "fail"
-    skip = "skip"
-
-
-class ConvPath(Choice):
-    shell = "shell"
-    window = "window"
-    auto = "auto"
-
-
-class DataCheck(Choice):
-    none = "none"
-    quick = "quick"
-    deep = "deep"
-
-
-class Division(Choice):
-    closed = "closed"
-    open = "open"
-
-
-class MomentumForm(Choice):
-    torch = "torch"
-    keras = "keras"
-
-
-class DecayBoundary(Choice):
-    at = "at"
-    after = "after"
-
-
-class EvalMode(Choice):
-    sliding = "sliding"
-    whole = "whole"
-
-
-class EvalAverage(Choice):
-    cases = "cases"
-    groups = "groups"
-
-
-class Usage(Choice):
-    hpc = "hpc"
-    training = "training"
-
-
-class Status(Choice):
-    onprem = "onprem"
-    cloud = "cloud"
-    research = "research"
-    preview = "preview"
 
 
 @dataclass
