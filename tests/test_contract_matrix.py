@@ -11,9 +11,9 @@ is global).
 
 | composite | options on |
 |---|---|
-| ``cosmo_sgd`` | clipping (clipped at every step), accumulation 2, weight-decay groups, activation recompute, sharded Flatten+Linear and replicated Linear, an injected non-finite step skipped, a resume at step 2 (2x1x1) |
+| ``cosmo_sgd`` | clipping (clipped at every step), accumulation 2, weight-decay groups, activation recompute, sharded Flatten+Linear and replicated Linear, an injected non-finite step skipped, the window conv path, a resume at step 2 (2x1x1) |
 | ``cosmo_kfac`` | K-FAC (factors every step, eigendecompositions every 2, KL clip), clipping, weight decay, a resume at step 2 (2x2x1) |
-| ``unet`` | InstanceNorm, 16^3 crops of larger cases with oversampling, augmentation, sliding-window evaluation (its Dice compared too), accumulation 2, a resume at step 2 (data 2 x spatial 2) |
+| ``unet`` | InstanceNorm, 16^3 crops of larger cases with oversampling, augmentation, sliding-window evaluation (its Dice compared too), accumulation 2, the timed (``auto``) conv path, a resume at step 2 (data 2 x spatial 2) |
 | ``unet_bn`` | BatchNorm: 2x2x1 against serial (at data 2 each data group normalises over its own share of the batch, as DDP does: not serial's numbers, docs/training.md) |
 | ``cosmo_dropout`` | seeded dropout: 2x1x1 against 2x2x1 (not serial: see the test) |
 | ``cosmo_fp16`` | fp16 autocast with the loss scaler, clipping, an injected overflow on one spatial rank (serial, 2x1x1, data 2 x spatial 2) |
@@ -46,7 +46,7 @@ CASES = {
     "cosmo_sgd": ("cosmoflow", [*COSMO, "train.precision=fp64", "train.grad_clip=0.05", "train.accum_steps=2",
                                 "optim.weight_decay=0.01", "model.dropout=0.0",
                                 "train.activation_checkpointing=true", "train.nonfinite=skip",
-                                "train.inject_nonfinite=[2]"]),
+                                "train.inject_nonfinite=[2]", "parallel.conv_path=window"]),
     "cosmo_dropout": ("cosmoflow", [*COSMO, "train.precision=fp64", "model.dropout=0.3"]),
     "cosmo_kfac": ("cosmoflow", [*COSMO, "train.precision=fp64", "model.dropout=0.0", "optim.name=kfac",
                                  "optim.kfac.factor_interval=1", "optim.kfac.inverse_interval=2",
@@ -56,7 +56,8 @@ CASES = {
     "unet": ("unet3d", ["train.precision=fp64", "model.depth=2", "model.base_filters=4", "model.max_filters=8",
                         "data.crop=[16,16,16]", "data.oversampling=0.5",
                         "train.global_batch_size=4", "train.accum_steps=2", "train.eval_at_end=true",
-                        "eval.mode=sliding", "augment.flip_prob=0.5", "augment.noise_prob=0.5"]),
+                        "eval.mode=sliding", "augment.flip_prob=0.5", "augment.noise_prob=0.5",
+                        "parallel.conv_path=auto"]),
     "unet_bn": ("unet3d", ["train.precision=fp64", "model.depth=2", "model.base_filters=4", "model.max_filters=8",
                            "model.norm=batch", "data.crop=[16,16,16]", "train.global_batch_size=4",
                            "train.eval_at_end=false"]),
@@ -121,6 +122,8 @@ def test_cosmoflow_sgd_options_equal_serial_in_float64(data, tmp_path):
         assert s["skipped_steps"] == 1, (grid, s["skipped_steps"])  # the injected NaN: skipped everywhere
         # 3 updates, each clipped (clipping active); the resumed run's second session made 2 of them
         assert s["clipped_steps"] == (2 if grid == "s2" else 3), (grid, s["clipped_steps"])
+        # every split convolution ran the window path (serial has none: nothing is split)
+        assert (s["conv_paths"] == {}) if grid == "serial" else (set(s["conv_paths"]) == {"window"}), (grid, s)
 
 
 def test_cosmoflow_kfac_equals_serial_in_float64(data, tmp_path):
@@ -137,6 +140,10 @@ def test_unet_crops_and_sliding_window_equal_serial_in_float64(data, tmp_path):
     for grid in ("s2", "s2x2", "d2s2"):
         got = _summary(runs[grid])["best_metric"]
         assert got == pytest.approx(serial["best_metric"], rel=EXACT, abs=0), grid
+        # auto timed each split convolution's two paths (trial forwards and backwards that must
+        # leave no trace in the weights) and took one of them
+        paths = _summary(runs[grid])["conv_paths"]
+        assert paths and set(paths) <= {"shell", "window"}, (grid, paths)
 
 
 def test_batchnorm_split_in_space_equals_serial_in_float64(data, tmp_path):
