@@ -69,9 +69,10 @@ def serial_copy(cfg: Any, model: nn.Module, grid: Grid) -> nn.Module | None:
 
 def _accepts(model: nn.Module, shape: Sequence[int]) -> bool:
     """Whether the network runs on one sample of ``shape`` (a dry run on the meta device)."""
-    try:
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
+    try:  # in the weights' dtype: a float32 probe of a float64 model (train.precision=fp64) fails on its type
         with torch.no_grad():
-            copy.deepcopy(model).to("meta")(torch.empty(1, *shape[1:], device="meta"))
+            copy.deepcopy(model).to("meta")(torch.empty(1, *shape[1:], device="meta", dtype=dtype))
     except Exception:  # noqa: BLE001 - any failure: not this probe
         return False
     return True
@@ -96,6 +97,9 @@ def choose_probe(serial: nn.Module, grid: Grid, channels: int, volume: Sequence[
         why = "the network accepts no smaller probe" if smaller else \
             "the network's downsampling times the split needs the whole volume"
         return whole, f"one whole sample per data group: {why}"
+    if whole_allowed:
+        return None, (f"the network runs on no probe, not even one whole sample {list(whole[1:])} (a dry run on "
+                      f"the meta device failed)")
     return None, (f"the network accepts no probe smaller than its training volume {list(volume)}, and a serial "
                   f"forward and backward of a whole sample on every rank is more than auto spends (over "
                   f"{PROBE_LIMIT} voxels); parallel.verify=true verifies on one")
