@@ -18,6 +18,15 @@ import torch
 CHANNELS_LAST = torch.channels_last_3d
 
 
+def preferred(device: torch.device, precision: str) -> bool:
+    """Whether channels-last is the faster layout for training on ``device`` at
+    ``precision`` (``fp32``, ``bf16``, ``fp16``, ``fp64``), as measured so far: on CPUs at
+    float32 (NDHWC step time 0.70-0.86 of NCDHW for CosmoFlow and the U-Net, serial and
+    split: docs/performance.md). Not yet measured, so False: other CPU precisions and GPUs
+    (``scripts/gpu_check.sh`` times a run with and without it)."""
+    return device.type == "cpu" and precision == "fp32"
+
+
 def memory_format(x: torch.Tensor) -> torch.memory_format:
     """``channels_last_3d`` for a 5-D tensor laid out channels-last (dense or a view of
     one), else ``contiguous_format``. Where both describe the memory (one channel), NCDHW."""

@@ -299,6 +299,21 @@ def test_config_values_and_types():
         validate_config(job)
     job.parallel.spatial = "auto"  # a value the config accepts: the planner chooses at start-up
     validate_config(job)
+    job.parallel.channels_last = "yes"
+    with pytest.raises(ConfigError, match=r"parallel\.channels_last=yes: want true, false or auto"):
+        validate_config(job)
+
+
+@pytest.mark.unit
+def test_channels_last_auto_is_on_only_where_it_was_measured_faster():
+    import torch
+
+    from parallel.layout import preferred
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)  # a device object needs no GPU
+    assert preferred(cpu, "fp32")
+    assert not any(preferred(cpu, p) for p in ("fp64", "bf16", "fp16"))
+    assert not any(preferred(gpu, p) for p in ("fp32", "fp64", "bf16", "fp16"))
 
 
 @pytest.mark.launch

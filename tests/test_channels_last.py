@@ -48,3 +48,6 @@ def test_training_loop_channels_last_equals_default_in_float64(tmp_path):
     assert diff < 1e-9, f"conv_path=window: {key} differs from the default shell path by {diff:.2e} relative"
     paths = {name: json.loads((run / "summary.json").read_text())["conv_paths"] for name, run in runs.items()}
     assert paths["false"] == {"shell": 3} and paths["window"] == {"window": 3}, paths
+    # the default (auto) resolves to NCDHW at float64, not measured faster there; true is true
+    layouts = {name: json.loads((run / "summary.json").read_text())["channels_last"] for name, run in runs.items()}
+    assert layouts == {"false": False, "true": True, "window": False}, layouts

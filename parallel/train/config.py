@@ -78,10 +78,11 @@ class ParallelConfig:
     """Run each split conv's halo exchange beside its block's convolution, forward and backward:
     ``true``, ``false``, or ``auto`` (per layer, where the calibration says the messages take
     longer than handing them to the halo thread; ``docs/performance.md``)."""
-    channels_last: bool = False
-    """Lay activations out NDHWC (``torch.channels_last_3d``) from end to end: faster for
-    cuDNN's bf16 convolutions; off by default because it was not faster on this project's
-    CPU measurements (``docs/performance.md``). Checkpoints are unchanged."""
+    channels_last: Any = "auto"
+    """Lay activations out NDHWC (``torch.channels_last_3d``) from end to end: ``true``,
+    ``false``, or ``auto`` (the default: on where it was measured faster, CPUs at fp32,
+    ``parallel.layout.preferred``; off elsewhere until measured). The same numbers either
+    way; checkpoints are unchanged. ``summary.json`` says which ran (``docs/performance.md``)."""
     conv_path: ConvPath = ConvPath.shell
     """How split convolutions run (``parallelize(..., conv_path=...)``): ``shell`` (the block
     convolved in place plus thin halo corrections: no copy, the path memory budgets are

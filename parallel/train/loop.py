@@ -21,6 +21,7 @@ from parallel import comm
 from mlperf_logging.mllog import constants as C
 
 import parallel
+from parallel import layout
 from parallel.grid import Grid
 from parallel.infer import evaluation_due
 from parallel.random_draws import stream_seed
@@ -96,10 +97,12 @@ class Trainer:
         # Flatten+Linear weights sharded by block, except under K-FAC, which preconditions the
         # whole weight (a sharded one would take the plain update, unlike the serial run).
         # parallel.verify: the converted model against a copy of the serial one, before the first step
+        cl = cfg.parallel.channels_last  # auto: where NDHWC was measured faster (parallel.layout.preferred)
+        self.channels_last = layout.preferred(grid.device, str(cfg.train.precision)) if cl == "auto" else bool(cl)
         self.pmodel = checks.verify(self.model, lambda: parallel.parallelize(
             self.model, grid, seed=cfg.train.seed, overlap_halo=cfg.parallel.overlap_halo,
             recompute=cfg.train.activation_checkpointing, input_shape=(facts.channels, *self.data.volume),
-            shard_linear=str(cfg.optim.name) != "kfac", channels_last=cfg.parallel.channels_last,
+            shard_linear=str(cfg.optim.name) != "kfac", channels_last=self.channels_last,
             conv_path=str(cfg.parallel.conv_path)), grid)
         compile_model(self.pmodel, cfg.train.compile)  # train.compile: after the eager model's verification
         reset_peak_memory(grid.device)  # the summary's peaks are training's, not the float64 verification's
@@ -268,6 +271,7 @@ class Trainer:
             "run_dir": cfg.run.dir, "checkpoints": self.writer.costs(),
             "last_eval_step": last_eval_step, "skipped_steps": p.skipped_steps,
             "conv_paths": conv_paths(self.pmodel),  # how the split convolutions ran (parallel.conv_path)
+            "channels_last": self.channels_last,  # the activations' layout (parallel.channels_last)
             "clipped_steps": self.train_step.clipped,  # this session's steps whose gradients were clipped
             "skipped_samples": int(round(_data_mean(torch.tensor(float(p.skipped_samples), device=grid.device), grid)
                                          * grid.data_size)),

@@ -29,6 +29,8 @@ def validate_config(cfg: JobConfig) -> None:
         (spatial_ok, f"parallel.spatial={spatial}: want three positive ints [sd, sh, sw] or auto"),
         (isinstance(cfg.parallel.overlap_halo, bool) or cfg.parallel.overlap_halo == "auto",
          f"parallel.overlap_halo={cfg.parallel.overlap_halo}: want true, false or auto"),
+        (isinstance(cfg.parallel.channels_last, bool) or cfg.parallel.channels_last == "auto",
+         f"parallel.channels_last={cfg.parallel.channels_last}: want true, false or auto"),
         (cfg.parallel.timeout_s > 0, f"parallel.timeout_s={cfg.parallel.timeout_s}: want > 0"),
         (cfg.parallel.heartbeat_s > 0, f"parallel.heartbeat_s={cfg.parallel.heartbeat_s}: want > 0"),
         (cfg.train.global_batch_size >= 1,
