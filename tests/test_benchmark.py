@@ -165,17 +165,22 @@ def test_peers_prints_the_project_and_block_rows_and_names_absent_peers():
     against the block floor, ratios > 0; every peer this interpreter cannot import is
     reported absent (in the summary and the table) and skipped. And the whole CosmoFlow
     step case: the split step and the floor over the serial step, DistConv's beside them
-    where it imports."""
+    where it imports, in both layouts."""
     sys.path.insert(0, str(ROOT))
     from parallel.bench.peers import peer_status
 
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark.py"), "peers", "--cases",
-                          "conv-k3-s1-D-c2-n8,step-cosmoflow-D-n64", "--trials", "1"], capture_output=True,
+                          "conv-k3-s1-D-c2-n8,step-cosmoflow-D-n64", "--trials", "1", "--channels-last"],
+                         capture_output=True,
                          text=True, timeout=240, check=True, cwd=ROOT)
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     row, step, summary = rows[0], rows[1], rows[-1]
     assert step["case"] == "step-cosmoflow-D-n64" and set(step["seconds"]) >= {"serial", "project", "floor"}
     assert 0 < step["over_serial"]["project"] and 0 < step["over_serial"]["floor"]
+    # --channels-last: each contestant again with NDHWC activations, over the serial of its layout
+    assert set(step["seconds"]) >= {"serial_cl", "project_cl", "floor_cl"} and step["over_serial"]["project_cl"] > 0
+    assert ("distconv_cl" in step["seconds"]) == (peer_status()["distconv"] is None)
+    assert step["best_serial"] in ("serial", "serial_cl") and step["over_best_serial"]["project_cl"] > 0
     assert summary["project_over_serial_step-cosmoflow-D-n64"] == step["over_serial"]["project"]
     assert ("distconv" in step["over_serial"]) == (peer_status()["distconv"] is None)
     assert row["kind"] == "peers" and row["case"] == "conv-k3-s1-D-c2-n8" and row["local_block"] == [4, 8, 8]

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 import parallel
-from parallel.bench.shared import agree
+from parallel.bench.shared import agree, failure
 from parallel.bench.step import Stepper, make_model, step_grids
 from parallel.bench.timing import interleaved, median, ratio
 from parallel.comm import all_reduce_
@@ -140,20 +140,21 @@ def _distconv_check(grid: Grid, case: StepCase, model: nn.Module, x: torch.Tenso
 
 
 def time_step(grid: Grid, case: StepCase, trials: int, peers: tuple[str, ...],
-              paths: tuple[str, ...] = ()) -> dict[str, Any]:
+              paths: tuple[str, ...] = (), channels_last: bool = False) -> dict[str, Any]:
     """Seconds per step of serial, project (the training loop's default conv path, and each
     of ``paths`` forced as ``parallel.conv_path`` would), DistConv (where present and equal)
-    and the floor."""
+    and the floor; with ``channels_last`` each again with NDHWC activations (``*_cl``: the
+    input laid out so; the project as ``parallel.channels_last`` runs it). Each contestant is
+    over the serial step of its own layout (``over_serial``) and, with ``channels_last``, over
+    the faster of the two serial steps (``over_best_serial``); the project's over the fastest
+    DistConv (``over_best_peer``)."""
     serial_grid, _ = step_grids(grid)
     size = (case.size,) * 3
     model, in_shape = make_model(case.model, size, [])
-    steppers: dict[str, Any] = {
-        "serial": Stepper(serial_grid, case.model, size, [], case.batch, active=grid.rank == 0),
-        "project": Stepper(grid, case.model, size, [], case.batch),
-    }
-    for path in paths:
-        steppers[f"project_{path}"] = Stepper(grid, case.model, size, [], case.batch, conv_path=path)
+    block = [n // s for n, s in zip(size, grid.spatial)]
+    steppers: dict[str, Any] = {}
     skipped: dict[str, str] = {}
+    x_block = None
     if "distconv" in peers:
         gen = torch.Generator().manual_seed(1)
         x = torch.randn((case.batch, *in_shape), generator=gen)  # the batch Stepper draws
@@ -161,27 +162,55 @@ def time_step(grid: Grid, case: StepCase, trials: int, peers: tuple[str, ...],
         try:
             reason = _distconv_check(grid, case, model, x, x_block)
         except Exception as e:  # noqa: BLE001 - a peer that fails is reported, not fatal
-            reason = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-        if agree(not reason, grid.world_group):
-            steppers["distconv"] = DistConvStepper(grid, copy.deepcopy(model), x_block, case.batch)
-        else:
+            reason = failure(e)
+        if not agree(not reason, grid.world_group):
             skipped["distconv"] = reason or "failed on another rank"
+            x_block = None
     if "shardtensor" in peers:
         skipped["shardtensor"] = "not in the step harness (its backward fails on this torch: docs/performance.md)"
-    block = [n // s for n, s in zip(size, grid.spatial)]
-    try:
-        steppers["floor"] = Stepper(serial_grid, case.model, block, [], case.batch)
-    except ValueError as e:  # the model does not fit a block-sized volume (small test cases)
-        skipped["floor"] = str(e)
+    for cl in (False, True) if channels_last else (False,):
+        tag = "_cl" if cl else ""
+        steppers["serial" + tag] = Stepper(serial_grid, case.model, size, [], case.batch, active=grid.rank == 0,
+                                           channels_last=cl)
+        steppers["project" + tag] = Stepper(grid, case.model, size, [], case.batch, channels_last=cl)
+        for path in paths:
+            steppers[f"project_{path}{tag}"] = Stepper(grid, case.model, size, [], case.batch, conv_path=path,
+                                                       channels_last=cl)
+        if x_block is not None:
+            xb = x_block.contiguous(memory_format=torch.channels_last_3d) if cl else x_block
+            peer = DistConvStepper(grid, copy.deepcopy(model), xb, case.batch)
+            why = ""
+            if cl:  # one trial step: its halo exchange may refuse a channels-last shard
+                try:
+                    peer.step()
+                except Exception as e:  # noqa: BLE001 - reported, not fatal
+                    why = failure(e)
+            if agree(not why, grid.world_group):
+                steppers["distconv" + tag] = peer
+            else:
+                skipped["distconv" + tag] = why or "failed on another rank"
+        try:
+            steppers["floor" + tag] = Stepper(serial_grid, case.model, block, [], case.batch, channels_last=cl)
+        except ValueError as e:  # the model does not fit a block-sized volume (small test cases)
+            skipped["floor" + tag] = str(e)
     times = interleaved({k: s.step for k, s in steppers.items()}, trials, warmup=1, group=grid.world_group)
+    serial_of = {k: "serial_cl" if k.endswith("_cl") else "serial" for k in steppers}
     out: dict[str, Any] = {"seconds": {k: median(v) for k, v in times.items()}, "skipped": skipped,
-                           "over_serial": {k: ratio(times[k], times["serial"]) for k in steppers if k != "serial"}}
-    if "distconv" in steppers:
-        out["over_best_peer"] = {k: ratio(times[k], times["distconv"]) for k in steppers if k.startswith("project")}
+                           "over_serial": {k: ratio(times[k], times[serial_of[k]])
+                                           for k in steppers if not k.startswith("serial")}}
+    if channels_last:  # the serial step at its faster layout: the honest baseline for every contestant
+        fastest = min(("serial", "serial_cl"), key=lambda k: median(times[k]))
+        out["best_serial"] = fastest
+        out["over_best_serial"] = {k: ratio(times[k], times[fastest]) for k in steppers if not k.startswith("serial")}
+    peer_keys = [k for k in steppers if k.startswith("distconv")]
+    if peer_keys:
+        best = min(peer_keys, key=lambda k: median(times[k]))
+        out["best_peer"] = best
+        out["over_best_peer"] = {k: ratio(times[k], times[best]) for k in steppers if k.startswith("project")}
     return out
 
 
 def time_steps(grid: Grid, cases: list[StepCase], trials: int, peers: tuple[str, ...],
-               paths: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+               paths: tuple[str, ...] = (), channels_last: bool = False) -> list[dict[str, Any]]:
     """``time_step`` for each case of one split, in one set of ranks."""
-    return [time_step(grid, c, trials, peers, paths) for c in cases]
+    return [time_step(grid, c, trials, peers, paths, channels_last) for c in cases]

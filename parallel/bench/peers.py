@@ -29,7 +29,7 @@ from torch import nn
 
 import parallel
 from parallel.bench.peer_step import StepCase, parse_step
-from parallel.bench.shared import Rows, agree
+from parallel.bench.shared import Rows, agree, failure
 from parallel.bench.timing import interleaved, load, median, ratio
 from parallel.grid import Grid
 from parallel.layers.kernels import conv3d
@@ -202,7 +202,7 @@ def time_case(grid: Grid, case: Case, trials: int, peers: tuple[str, ...], paths
             if err > 1e-4 * max(1.0, float(ref.abs().max())):
                 reason = f"output differs from the project's by {err:.3g}"
         except Exception as e:  # noqa: BLE001 - a peer that fails here is reported, not fatal
-            reason = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            reason = failure(e)
         if not agree(not reason, grid.spatial_group):
             skipped[name] = reason or "failed on another rank"
             continue
@@ -248,6 +248,8 @@ def command_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--paths", default="shell,window", help="also time the split conv with its path forced "
                    "(comma list of shell, window; empty: none)")
     p.add_argument("--peers", default=",".join(PEERS), help="the peers to try (absent ones are skipped)")
+    p.add_argument("--channels-last", action="store_true", help="step cases: also time serial, project, DistConv "
+                   "and floor with NDHWC activations (parallel.channels_last), each over the serial of its layout")
 
 
 def _table(rows: list[dict[str, Any]], absent: dict[str, str]) -> list[str]:
@@ -307,7 +309,7 @@ def command(args: argparse.Namespace) -> Rows:
         if not mine_steps:
             continue
         step_paths = tuple(p for p in paths if p != "shell")  # the step's default is the shell
-        results = run_ranks(2, time_steps, mine_steps, args.trials, present, step_paths,
+        results = run_ranks(2, time_steps, mine_steps, args.trials, present, step_paths, args.channels_last,
                             spatial=mine_steps[0].spatial,
                             timeout=7200.0)[0]
         for c, r in zip(mine_steps, results):
@@ -319,7 +321,8 @@ def command(args: argparse.Namespace) -> Rows:
             summary[f"project_over_serial_{r['case']}"] = r["over_serial"]["project"]
             if "distconv" in r["over_serial"]:
                 summary[f"distconv_over_serial_{r['case']}"] = r["over_serial"]["distconv"]
-                summary[f"project_over_best_peer_{r['case']}"] = r["over_best_peer"]["project"]
+            for k, v in r.get("over_best_peer", {}).items():  # project, project_cl, project_<path>...
+                summary[f"{k}_over_best_peer_{r['case']}"] = v
             continue
         summary[f"project_over_block_{r['case']}"] = r["over_block"]["project"]
         if "over_best_peer" in r:

@@ -53,3 +53,9 @@ def agree(ok: bool, group: object) -> bool:
     t = torch.tensor([0.0 if ok else 1.0])
     comm.all_reduce_(t, group, "max", caller="bench.agree")
     return t.item() == 0.0
+
+
+def failure(e: BaseException) -> str:
+    """A peer's failure in one line for its row: ``failed: Type: first line of the message``."""
+    first = str(e).splitlines()[0][:200] if str(e) else ""
+    return f"failed: {type(e).__name__}: {first}"
