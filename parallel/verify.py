@@ -85,7 +85,8 @@ def _downsampling(model: nn.Module, channels: int, reach: int | Sequence[int]) -
     for m in dry.modules():
         hooks.append(m.register_forward_hook(seen))
     try:
-        dry(torch.empty(1, channels, *dims, device="meta"))
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
+        dry(torch.empty(1, channels, *dims, device="meta", dtype=dtype))  # the weights' dtype: fp64 models too
     except Exception as err:  # noqa: BLE001 - any failure means: ask the user for the probe
         raise ValueError(f"could not size a probe for {type(model).__name__} from a dry run on a "
                          f"{'x'.join(map(str, dims))} volume ({type(err).__name__}: {err}); pass a probe shape "

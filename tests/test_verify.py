@@ -39,6 +39,8 @@ def test_probe_is_sized_from_the_network_downsampling():
     net = UNet(3, 2, 1, (4, 8, 16, 32), (2, 2, 2), num_res_units=1)  # total stride 8
     grid = Grid(spatial=(2, 1, 4), world_size=16, rank=0)
     assert probe_shape(net, grid) == (2, 2, 16, 16, 32)
+    # a float64 network (train.precision=fp64) is sized alike: its dry run takes the weights' dtype
+    assert probe_shape(net.double(), grid) == (2, 2, 16, 16, 32)
 
 
 def test_custom_forwards_lists_code_parallelize_cannot_see():
