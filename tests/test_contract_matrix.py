@@ -12,8 +12,8 @@ is global).
 | composite | options on |
 |---|---|
 | ``cosmo_sgd`` | clipping (clipped at every step), accumulation 2, weight-decay groups, activation recompute, sharded Flatten+Linear and replicated Linear, an injected non-finite step skipped, the window conv path, a resume at step 2 (2x1x1) |
-| ``cosmo_kfac`` | K-FAC (factors every step, eigendecompositions every 2, KL clip), clipping, weight decay, a resume at step 2 (2x2x1) |
-| ``unet`` | InstanceNorm, 16^3 crops of larger cases with oversampling, augmentation, sliding-window evaluation (its Dice compared too), accumulation 2, the timed (``auto``) conv path, a resume at step 2 (data 2 x spatial 2) |
+| ``cosmo_kfac`` | K-FAC (factors every step, eigendecompositions every 2, KL clip), clipping, weight decay, NDHWC activations, a resume at step 2 (2x2x1) |
+| ``unet`` | InstanceNorm, 16^3 crops of larger cases with oversampling, augmentation, sliding-window evaluation (its Dice compared too), accumulation 2, the timed (``auto``) conv path, NDHWC activations, a resume at step 2 (data 2 x spatial 2) |
 | ``unet_bn`` | BatchNorm: 2x2x1 against serial (at data 2 each data group normalises over its own share of the batch, as DDP does: not serial's numbers, docs/training.md) |
 | ``cosmo_dropout`` | seeded dropout: 2x1x1 against 2x2x1 (not serial: see the test) |
 | ``cosmo_fp16`` | fp16 autocast with the loss scaler, clipping, an injected overflow on one spatial rank (serial, 2x1x1, data 2 x spatial 2) |
@@ -52,12 +52,13 @@ CASES = {
                                  "optim.kfac.factor_interval=1", "optim.kfac.inverse_interval=2",
                                  # float32 factors round at 1e-4 after 4 steps: fp64 needs them in float64
                                  "optim.kfac.factor_dtype=float64", "optim.kfac.inverse_dtype=float64",
-                                 "train.grad_clip=0.5", "optim.weight_decay=0.01"]),
+                                 "train.grad_clip=0.5", "optim.weight_decay=0.01",
+                                 "parallel.channels_last=true"]),
     "unet": ("unet3d", ["train.precision=fp64", "model.depth=2", "model.base_filters=4", "model.max_filters=8",
                         "data.crop=[16,16,16]", "data.oversampling=0.5",
                         "train.global_batch_size=4", "train.accum_steps=2", "train.eval_at_end=true",
                         "eval.mode=sliding", "augment.flip_prob=0.5", "augment.noise_prob=0.5",
-                        "parallel.conv_path=auto"]),
+                        "parallel.conv_path=auto", "parallel.channels_last=true"]),
     "unet_bn": ("unet3d", ["train.precision=fp64", "model.depth=2", "model.base_filters=4", "model.max_filters=8",
                            "model.norm=batch", "data.crop=[16,16,16]", "train.global_batch_size=4",
                            "train.eval_at_end=false"]),
@@ -131,6 +132,7 @@ def test_cosmoflow_kfac_equals_serial_in_float64(data, tmp_path):
     for grid, run in runs.items():  # clipping active at every step (the resumed run's 2nd session: 2)
         assert _summary(run)["clipped_steps"] == (2 if grid == "s2x2" else 4), grid
     assert torch.load(runs["s2x2"] / "checkpoints" / "last.pt", weights_only=True)["optimizer"]["kfac"]["steps"] == 4
+    assert all(_summary(r)["channels_last"] is True for r in runs.values())  # K-FAC's factors from NDHWC activations
 
 
 def test_unet_crops_and_sliding_window_equal_serial_in_float64(data, tmp_path):
@@ -144,6 +146,7 @@ def test_unet_crops_and_sliding_window_equal_serial_in_float64(data, tmp_path):
         # leave no trace in the weights) and took one of them
         paths = _summary(runs[grid])["conv_paths"]
         assert paths and set(paths) <= {"shell", "window"}, (grid, paths)
+        assert _summary(runs[grid])["channels_last"] is True, grid
 
 
 def test_batchnorm_split_in_space_equals_serial_in_float64(data, tmp_path):
