@@ -12,8 +12,8 @@ from cosmoflow import synthetic
 from cosmoflow.fields import SPEC, transform
 from cosmoflow.model import CosmoFlow, CosmoFlowConfig, mae_per_sample, mse_loss, reference_decayed
 from parallel.grid import Grid
-from parallel.train.config import JobConfig, OptimConfig, ScheduleConfig, TrainConfig
-from parallel.train.family import Family, register
+from parallel.job.config import JobConfig, OptimConfig, ScheduleConfig, TrainConfig
+from parallel.job.family import Family, register
 
 
 @dataclass

@@ -31,7 +31,7 @@ import parallel
 from cosmoflow.family import FAMILY
 from parallel import comm
 from parallel.data import BlockDataset, ShardSampler, make_loader
-from parallel.train.predict import UsageError, open_session, parser, run
+from parallel.infer.predict import UsageError, open_session, parser, run
 
 log = logging.getLogger("parallel.predict")
 PARAMS = ("omega_m", "sigma_8", "n_s", "omega_b")

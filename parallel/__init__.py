@@ -8,11 +8,11 @@
 
 from parallel.comm import all_reduce_sum, replicated_grad, spatial_sum
 from parallel.grid import Grid
-from parallel.launch import destroy, init
-from parallel.parallel_module import ParallelModule
-from parallel.parallelize import parallelize
+from parallel.runtime.launch import destroy, init
+from parallel.model.parallel_module import ParallelModule
+from parallel.model.parallelize import parallelize
 from parallel.partition import SplitError, block_bounds
-from parallel.scatter import gather, scatter
+from parallel.split.scatter import gather, scatter
 from parallel import verify  # parallel.verify.verify(serial, pmodel, probe): the check against serial
 
 __all__ = [

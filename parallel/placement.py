@@ -18,7 +18,7 @@ scripts call it before each launch).
 
 At start-up ``parallel.init`` keeps the ``Placement`` on the grid (``grid.placement``,
 ``grid.local_rank``, ``grid.local_size``, ``grid.node_count``), built from every rank's
-node as ``parallel.devices.gather_facts`` found it, so nothing after start-up guesses the
+node as ``parallel.runtime.devices.gather_facts`` found it, so nothing after start-up guesses the
 layout from launcher variables. This module is the pure model: no process group, no device.
 """
 

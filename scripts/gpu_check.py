@@ -119,7 +119,7 @@ class Check:
         backend = "gloo" if self.cpu else ("nccl" if n > 1 else "cuda")
         spatial = SPLITS.get(n, (n, 1, 1))
         r = self.run(f"selfcheck {n} rank(s) {backend} {precision}",
-                     [*self.launcher(n), "-m", "parallel.selfcheck", "--spatial", *map(str, spatial),
+                     [*self.launcher(n), "-m", "parallel.verify.selfcheck", "--spatial", *map(str, spatial),
                       "--batch", "4",
                       "--precision", precision], timeout=300)
         report = _last_json(r.data["output"])

@@ -4,7 +4,7 @@
     python scripts/trace_png.py runs/profiled/profile/rank0.json runs/profiled/profile/rank1.json --out trace.png
 
 Each trace is a Chrome/Perfetto JSON that ``train.profile=N`` wrote
-(``parallel.train.profile``). Per rank, four lanes share one time axis: the recorded steps
+(``parallel.train.observe.profile``). Per rank, four lanes share one time axis: the recorded steps
 (``ProfilerStep#k``), the computation (the outermost operators on the training thread:
 the forward's and, under ``autograd::engine``, the backward's), the halo exchange
 (``parallel.halo_exchange``, ``parallel.halo_exchange_wait``) and the gradient all-reduce

@@ -1,4 +1,4 @@
-"""Rank-side checks of parallel.augment and the U-Net augmentation (run by RankPool)."""
+"""Rank-side checks of parallel.data.augment and the U-Net augmentation (run by RankPool)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from parallel.grid import Grid
 
 def check_flip(grid: Grid, shape: tuple[int, ...], dims: tuple[int, ...]) -> None:
     """The flipped blocks gather to torch.flip of the whole tensor."""
-    from parallel.augment import flip
+    from parallel.data.augment import flip
 
     full = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     got = parallel.gather(flip(parallel.scatter(full, grid), dims, grid), grid)

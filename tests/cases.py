@@ -129,7 +129,7 @@ def check_halo(grid: Grid, n: int, dim: int, windows: list[tuple[int, int]], mod
     """``fetch`` returns the right window of the global tensor, and ``reduce`` is its
     adjoint: <F x, y> == <x, F^T y> summed over ranks (float64)."""
     from parallel import comm
-    from parallel.halo import fetch, make_plan, reduce
+    from parallel.split.halo import fetch, make_plan, reduce
 
     shape = [2, 3, 4, 5, 6]
     shape[dim] = n
@@ -175,7 +175,7 @@ def dense_head() -> nn.Module:
 
 def every_layer(grid: Grid, spatial_label: str) -> dict[str, Any]:
     """The selfcheck model (every converted layer type, two heads) against serial."""
-    from parallel.selfcheck import run
+    from parallel.verify.selfcheck import run
 
     report = run(grid, batch=4, size=12)
     if report["max_rel_diff"] > RTOL:

@@ -67,7 +67,7 @@ def adjoints(grid: Grid) -> dict[str, float]:
     is what autograd runs in the backward (inner products summed over the ranks that hold
     the values; replicated values counted once where the convention says so)."""
     import parallel
-    from parallel.halo import fetch_all, make_plan, reduce_all
+    from parallel.split.halo import fetch_all, make_plan, reduce_all
     from parallel.partition import block_bounds
 
     out: dict[str, float] = {}

@@ -24,7 +24,7 @@ from collections import OrderedDict
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
-from parallel.launch import free_port
+from parallel.runtime.launch import free_port
 
 DEVICE = os.environ.get("SPATIALCNN_TEST_DEVICE", "cpu")
 # A rank keeps the process groups of its last few grids only. Every gloo group has a device
@@ -52,7 +52,7 @@ def _worker(rank: int, world: int, port: int, jobs: Any, results: Any) -> None:
 
     from parallel import comm
     from parallel.grid import Grid
-    from parallel.launch import configure_cuda
+    from parallel.runtime.launch import configure_cuda
 
     torch.set_num_threads(1)
     device = torch.device("cpu")

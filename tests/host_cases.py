@@ -74,8 +74,8 @@ def audited_steps(grid: Grid, family: str, data_dir: str, run_dir: str, override
     from hydra import compose, initialize_config_dir
 
     from parallel.train.cli import CONFIG_ROOT, register
-    from parallel.train.config import to_dataclass
-    from parallel.train.family import get
+    from parallel.job.config import to_dataclass
+    from parallel.job.family import get
     from parallel.train.loop import Trainer
     from step_audit import AuditedStep
 

@@ -7,7 +7,7 @@ and then run job after job, each with the variables torchrun would give it (``RA
 ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``, ``LOCAL_RANK``...), its own command
 line, working directory and captured output. The job itself is unchanged: the module runs
 as ``__main__`` (``runpy``), so the training loop starts and ends its own process group
-exactly as under torchrun (``parallel.launch.init``'s later-job path, the one a sweep
+exactly as under torchrun (``parallel.runtime.launch.init``'s later-job path, the one a sweep
 takes), and a job of one rank sees no launcher variables at all, like plain ``python``.
 
 What stays real launches (``tests/train_helpers.launch(..., launcher="torchrun")``):
@@ -42,7 +42,7 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RA
                "SLURM_PROCID", "SLURM_NTASKS", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")
 WARM = ("torch", "torch.distributed", "hydra", "omegaconf", "h5py", "cosmoflow.family", "unet3d.family",
         "parallel.train.lifecycle",
-        "parallel.train.cli", "parallel.train.loop", "parallel.train.mlperf", "parallel.train.report")
+        "parallel.train.cli", "parallel.train.loop", "parallel.train.observe.mlperf", "parallel.train.observe.report")
 
 
 def _worker(rank: int, jobs: Any, results: Any, warm: Sequence[str]) -> None:
@@ -124,7 +124,7 @@ def _fresh_state() -> None:
     prefix: every rank of a job must take the same path)."""
     import logging
 
-    from parallel import launch
+    from parallel.runtime import launch
 
     launch._STARTS[0] = 0
     try:  # the peak resident memory (VmHWM) a job reports is its own, not an earlier job's
@@ -132,7 +132,7 @@ def _fresh_state() -> None:
             f.write("5")
     except OSError:
         pass
-    sweep = sys.modules.get("parallel.train.sweep")
+    sweep = sys.modules.get("parallel.train.cli.sweep")
     if sweep is not None:  # the failed jobs of a sweep this process ran: a fresh process has none
         sweep.FAILED.clear()
 
@@ -181,7 +181,7 @@ class JobPool:
             cwd: str | Path = REPO, timeout: float = 240.0) -> subprocess.CompletedProcess:
         """``python -m module *argv`` on ``nproc`` ranks (torchrun's variables for more
         than one); the ranks' outputs joined in rank order, like a launcher's."""
-        from parallel.launch import free_port
+        from parallel.runtime.launch import free_port
 
         if not 1 <= nproc <= self.size:
             raise ValueError(f"a job of {nproc} ranks on a pool of {self.size}")

@@ -11,7 +11,7 @@ from torch import nn
 import cases
 import parallel
 from parallel.grid import Grid
-from parallel.layers.conv import SpatialConv3d
+from parallel.layers.conv.layer import SpatialConv3d
 
 
 def conv_shell(grid: Grid, build: Callable[[], nn.Module], shape: tuple[int, ...], overlap: bool) -> dict[str, Any]:
@@ -54,7 +54,7 @@ def _net(dropout: float, norm: bool) -> nn.Module:
 
 def recompute_equals_plain(grid: Grid, dropout: float, norm: bool, steps: int = 2) -> dict[str, float]:
     """Two training steps with and without per-block recomputation: identical numbers."""
-    from parallel.recompute import checkpoint_blocks
+    from parallel.model.recompute import checkpoint_blocks
 
     results = []
     for recompute in (False, True):
@@ -95,7 +95,7 @@ def recompute_equals_plain(grid: Grid, dropout: float, norm: bool, steps: int = 
 
 
 def unet_recompute_blocks(grid: Grid) -> int:
-    from parallel.recompute import checkpoint_blocks
+    from parallel.model.recompute import checkpoint_blocks
     from unet3d.model import UNet3D, UNet3DConfig
 
     torch.manual_seed(0)
@@ -121,9 +121,9 @@ def shell_adjoint(grid: Grid, shape: tuple[int, ...], windows: dict[int, list[tu
     ``reduce_shell`` (with ``scatter_grad``) is its adjoint: <F x, y> == <x, F^T y> summed
     over ranks, in float64."""
     from parallel import comm
-    from parallel.halo import fetch_all, make_plan
+    from parallel.split.halo import fetch_all, make_plan
     from parallel.partition import block_bounds
-    from parallel.shell import assemble, fetch_shell, reduce_shell, scatter_grad, shell_step
+    from parallel.split.shell import assemble, fetch_shell, reduce_shell, scatter_grad, shell_step
 
     gen = torch.Generator().manual_seed(0)
     full = torch.randn(shape, generator=gen, dtype=torch.float64)

@@ -27,7 +27,7 @@ from parallel.data.format import write_manifest, write_samples
 from parallel.data.reader import SampleReadError
 from parallel.grid import Grid
 from parallel.train.cli import CONFIG_ROOT, register
-from parallel.train.config import UnknownKeyError, to_dataclass
+from parallel.job.config import UnknownKeyError, to_dataclass
 from parallel.train.data import CheckedDataset
 from parallel.train.checks import ConfigError, InputError, check_data, check_model, check_world, validate_config
 from train_helpers import BIN, REPO, env, prepare, python_m
@@ -229,8 +229,8 @@ def test_model_strides_the_grid_cannot_split():
 def test_norm_layers_left_with_one_voxel_and_kernels_beyond_the_volume():
     from torch import nn
 
-    from parallel.train.config import TrainConfig
-    from parallel.train.family import model_config
+    from parallel.job.config import TrainConfig
+    from parallel.job.family import model_config
     from unet3d.family import FAMILY as UNET
 
     deep = model_config(UNET)  # the MLPerf U-Net: 5 stride-2 levels take 32^3 to 1^3
@@ -308,7 +308,7 @@ def test_config_values_and_types():
 def test_channels_last_auto_is_on_only_where_it_was_measured_faster():
     import torch
 
-    from parallel.layout import preferred
+    from parallel.split.layout import preferred
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)  # a device object needs no GPU
     assert preferred(cpu, "fp32")

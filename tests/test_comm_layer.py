@@ -15,7 +15,7 @@ from parallel import comm
 
 ROOT = Path(__file__).resolve().parent.parent
 SCANNED = ("parallel", "cosmoflow", "unet3d", "scripts")
-LAYER = ("parallel/comm/*",)  # the communication layer; parallel/halo.py and gradsync.py build on it
+LAYER = ("parallel/comm/*",)  # the communication layer; parallel/split/halo.py and gradsync.py build on it
 
 
 

@@ -197,7 +197,7 @@ def test_low_precision_is_no_further_from_serial_than_its_own_rounding(data, tmp
 def test_the_shell_convolutions_sum_precision_depends_on_the_dtype_never_the_device(dtype):
     from types import SimpleNamespace
 
-    from parallel.layers.shellconv import _compute_dtype
+    from parallel.layers.conv.shell import _compute_dtype
 
     want = (dtype, torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype)
     assert _compute_dtype(torch.zeros(1, dtype=dtype)) == want
@@ -212,7 +212,7 @@ def test_the_bf16_selfcheck_passes_at_two_ranks_on_the_path_every_device_takes()
 
     from train_helpers import BIN, REPO, env
 
-    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "parallel.selfcheck",
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "parallel.verify.selfcheck",
            "--spatial", "2", "1", "1", "--precision", "bf16"]
     proc = subprocess.run(cmd, env=env(), cwd=REPO, timeout=240, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -25,8 +25,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from parallel.launch import free_port
-from parallel.train import checkpoint, elastic
+from parallel.runtime.launch import free_port
+from parallel.train.persist import checkpoint
+from parallel.train import elastic
 from train_helpers import BIN, REPO, env, kill_during_checkpoint_write, launch, max_rel_diff, prepare, weights
 
 # float32 sums in another order (another data size, accumulation) over a dozen SGD steps

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from parallel.grid import Grid
-from parallel.train import checkpoint
+from parallel.train.persist import checkpoint
 from train_helpers import kill_during_checkpoint_write, launch, prepare, python_m, weights
 
 TINY = ["--config-name", "quickstart", "train.global_batch_size=4", "model.conv_filters=4", "model.n_conv_blocks=2",

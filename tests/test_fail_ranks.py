@@ -59,7 +59,7 @@ def _monitors_of(victim: int, limit: float) -> list[str]:
     monitor outlives the launcher by its note-writing pause and its clean-up)."""
     deadline = time.monotonic() + limit
     while True:
-        found = subprocess.run(["pgrep", "-f", "parallel/monitor.py"], capture_output=True, text=True).stdout.split()
+        found = subprocess.run(["pgrep", "-f", "parallel/runtime/monitor.py"], capture_output=True, text=True).stdout.split()
         left = []
         for p in found:
             try:
@@ -125,7 +125,7 @@ def test_kill_one_of_four_ranks_stops_the_job(data, tmp_path, launcher):
     assert not left, f"ranks still running {TIMEOUT_S} s after the kill: {left}"
     ours = re.search(rf"rank 2 (died \(process {victim}|\(process {victim}\) died)", out)
     # The monitor names every rank it saw end at once when it could not run before the
-    # launcher's cleanup had killed more (parallel/monitor.py): the victim must be among them.
+    # launcher's cleanup had killed more (parallel/runtime/monitor.py): the victim must be among them.
     together = re.search(rf"monitor on .*rank 2 \(process {victim}\).* ended at the same moment", out)
     ours = ours or together
     torchruns = re.search(r"rank\s*: 2 \(local_rank: 2\)\s*\n\s*exitcode\s*: -9", out)

@@ -79,7 +79,7 @@ def test_one_meta_trace_names_the_layer_for_crops_and_whole_cases():
     """Crops, windows and whole cases go through the one meta-device trace (``meta_trace``)
     that ``check_model`` uses: the same layer is named the same way for each."""
     from parallel.train.checks import check_cases
-    from parallel.train.family import model_config
+    from parallel.job.family import model_config
     from unet3d.family import FAMILY as UNET, UNet3DJob
 
     job = UNet3DJob()

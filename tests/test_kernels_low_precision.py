@@ -1,11 +1,11 @@
 """bfloat16 convolutions of thin blocks on CPUs: torch 2.13's CPU kernel returns a wrong
 weight gradient when a spatial dim is shorter than the kernel's reach; the spatial layers'
-kernels (``parallel.layers.kernels``) and the shell conv must not inherit it."""
+kernels (``parallel.layers.conv.kernels``) and the shell conv must not inherit it."""
 
 import pytest
 import torch
 
-from parallel.layers.kernels import conv3d_backward
+from parallel.layers.conv.kernels import conv3d_backward
 
 
 @pytest.mark.unit
@@ -25,7 +25,7 @@ def test_bf16_backward_of_a_thin_block_equals_float32_to_bf16_rounding(shape):
 @pytest.mark.unit
 def test_the_selfcheck_network_in_bf16_on_one_rank_is_within_its_tolerance():
     from parallel.grid import Grid
-    from parallel.selfcheck import TOLERANCE, run
+    from parallel.verify.selfcheck import TOLERANCE, run
 
     report = run(Grid(spatial=(1, 1, 1), world_size=1, rank=0), precision="bf16")
     assert report["max_rel_diff"] <= TOLERANCE["bf16"] / 4, report

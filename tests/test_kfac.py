@@ -94,7 +94,7 @@ def test_forwards_without_backward_or_in_eval_capture_nothing():
 
 
 def test_recomputed_blocks_give_the_same_steps():
-    from parallel.recompute import checkpoint_blocks
+    from parallel.model.recompute import checkpoint_blocks
 
     m1, o1 = _model_and_opt()
     m2, o2 = _model_and_opt()

@@ -22,8 +22,8 @@ from parallel.plan import Machine, Options, predict, trace
 from parallel.plan.cli import main as plan_main
 from parallel.plan.kfac import KFACPlan, kfac_config
 from parallel.train.cli import CONFIG_ROOT, register
-from parallel.train.config import OptimConfig, to_dataclass
-from parallel.train.mlperf import MLPerfLog, log_submission
+from parallel.job.config import OptimConfig, to_dataclass
+from parallel.train.observe.mlperf import MLPerfLog, log_submission
 from parallel.train.optim import build_optimizer
 from parallel.train.checks import ConfigError, validate_config
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from parallel.launch import RendezvousError, detect_launcher, mpi_world_size
+from parallel.runtime.launch import RendezvousError, detect_launcher, mpi_world_size
 from parallel.train import stopsignal
 
 ROOT = Path(__file__).resolve().parents[1]

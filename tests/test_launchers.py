@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from parallel.launch import free_port
+from parallel.runtime.launch import free_port
 
-SELFCHECK = [sys.executable, "-m", "parallel.selfcheck"]
+SELFCHECK = [sys.executable, "-m", "parallel.verify.selfcheck"]
 TIMEOUT = 240  # a hung rendezvous fails the test instead of CI
 
 
@@ -33,7 +33,7 @@ def _report(cmd: list[str], env: dict | None = None) -> dict:
 
 def _torchrun(n: int, spatial: str) -> dict:
     return _report([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
-                    "--master-port", str(free_port()), "-m", "parallel.selfcheck", "--spatial", *spatial.split()])
+                    "--master-port", str(free_port()), "-m", "parallel.verify.selfcheck", "--spatial", *spatial.split()])
 
 
 def _mpirun(n: int, spatial: str) -> dict:

@@ -104,7 +104,7 @@ def test_conv3d_reorders_thin_blocks_and_equals_torch(kernel, stride, padding, d
     import torch
     import torch.nn.functional as F
 
-    from parallel.layers.kernels import conv3d, conv3d_backward
+    from parallel.layers.conv.kernels import conv3d, conv3d_backward
 
     torch.manual_seed(0)
     conv = nn.Conv3d(shape[1], 3, kernel, stride, padding, dilation)

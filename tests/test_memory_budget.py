@@ -16,9 +16,9 @@ from train_helpers import REPO, launch, prepare
 
 from cosmoflow.family import FAMILY, CosmoFlowJob
 from parallel import plan
-from parallel.train import autosplit
+from parallel.train.checks import autosplit
 from parallel.train.cli import CONFIG_ROOT, register
-from parallel.train.config import to_dataclass
+from parallel.job.config import to_dataclass
 from parallel.train.checks import read_facts
 
 TESTS = Path(__file__).resolve().parent

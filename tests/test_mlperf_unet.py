@@ -13,8 +13,8 @@ from mlperf_logging.mllog import constants as C
 from parallel.grid import Grid
 from parallel.infer import evaluation_due
 from parallel.train.cli import CONFIG_ROOT, register
-from parallel.train.config import to_dataclass
-from parallel.train.mlperf import MLPerfLog, log_submission
+from parallel.job.config import to_dataclass
+from parallel.train.observe.mlperf import MLPerfLog, log_submission
 from unet3d.family import FAMILY as UNET, brightness_scale
 
 

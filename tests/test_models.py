@@ -126,7 +126,7 @@ def test_dice_metric_values():
 
 def _split_loss_case(grid, logits, labels):
     """This rank's block of logits and labels -> reduced loss, metric and input gradient block."""
-    from parallel.scatter import scatter
+    from parallel.split.scatter import scatter
 
     block = scatter(logits, grid).detach().requires_grad_(True)
     lab = scatter(labels[:, None].float(), grid).long()

@@ -1,4 +1,4 @@
-"""The node's death monitor (parallel/monitor.py) names the rank that died first when a
+"""The node's death monitor (parallel/runtime/monitor.py) names the rank that died first when a
 launcher answers that death by killing the rest at once, as MPICH's hydra does.
 
 Real processes: children with several threads (as ranks have) connect to a real monitor;
@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 RANK = """
 import sys, threading, time
 sys.path.insert(0, {repo!r})
-from parallel import monitor
+from parallel.runtime import monitor
 for _ in range(6):
     threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
 print("up", flush=True)
@@ -37,7 +37,7 @@ def _launch(notes: Path, n: int) -> tuple[list[subprocess.Popen], subprocess.Pop
                               stdout=subprocess.PIPE, stdin=subprocess.DEVNULL) for r in range(n)]
     for p in ranks:
         assert p.stdout.readline().strip() == b"up"
-    mon = subprocess.Popen([sys.executable, str(REPO / "parallel" / "monitor.py"), str(notes), "host",
+    mon = subprocess.Popen([sys.executable, str(REPO / "parallel" / "runtime" / "monitor.py"), str(notes), "host",
                             *(f"{r}:{p.pid}" for r, p in enumerate(ranks))],
                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     for p in ranks:

@@ -3,7 +3,7 @@
 import pytest
 
 from parallel.grid import Grid
-from parallel.launch import detect_launcher, first_slurm_host
+from parallel.runtime.launch import detect_launcher, first_slurm_host
 from parallel.partition import SplitError, Segment, block_bounds, owner_of, window_segments
 
 

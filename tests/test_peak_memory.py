@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from parallel.train import report
+from parallel.train.observe import report
 
 
 def test_the_peak_is_reset_to_what_is_held_now():

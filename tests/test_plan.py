@@ -11,7 +11,7 @@ import pytest
 from parallel import plan
 from parallel.plan import cli as plan_cli
 from parallel.plan import Machine, Options
-from parallel.train import autosplit
+from parallel.train.checks import autosplit
 
 
 def _layers(size: int = 32, blocks: int = 3):

@@ -13,10 +13,10 @@ from hydra import compose, initialize_config_dir
 
 from cosmoflow.family import FAMILY, CosmoFlowJob
 from parallel import plan
-from parallel.launch import free_port
+from parallel.runtime.launch import free_port
 from parallel.train.cli import CONFIG_ROOT, register
-from parallel.train import autosplit
-from parallel.train.config import to_dataclass
+from parallel.train.checks import autosplit
+from parallel.job.config import to_dataclass
 from parallel.train.checks import read_facts
 from train_helpers import REPO, env, prepare
 

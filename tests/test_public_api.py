@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from parallel.launch import free_port
+from parallel.runtime.launch import free_port
 from train_helpers import BIN, REPO, env
 
 PROGRAM = str(Path(__file__).resolve().parent / "public_api_program.py")

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import host_cases
-from parallel.random_draws import check_model, stream_seed
+from parallel.model.random_draws import check_model, stream_seed
 from tests.random_models import NoisyNet, StochasticDepthNet
 from train_helpers import BIN, REPO, env, launch, max_rel_diff, prepare, weights
 

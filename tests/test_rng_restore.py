@@ -1,6 +1,6 @@
 """RNG streams on resume: restored from a checkpoint loaded to another device through
 ``map_location``, and a foreign layout reseeded deterministically with a warning
-(parallel/train/rng.py ``set_rng_state``/``restore_rng``)."""
+(parallel/train/persist/rng.py ``set_rng_state``/``restore_rng``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from parallel import Grid
-from parallel.train import checkpoint, rng
+from parallel.train.persist import checkpoint, rng
 
 GRID = Grid((1, 1, 1), 1, 0)
 

@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 from cosmoflow.family import FAMILY as COSMO, CosmoFlowJob
 from cosmoflow.model import CosmoFlow, CosmoFlowConfig, reference_decayed
 from parallel.train.cli import CONFIG_ROOT, register
-from parallel.train.config import OptimConfig, ScheduleConfig, to_dataclass
+from parallel.job.config import OptimConfig, ScheduleConfig, to_dataclass
 from parallel.train.optim import KerasSGD, Schedule, build_optimizer, check_schedule
 from unet3d.family import FAMILY as UNET, UNet3DJob
 

@@ -253,7 +253,7 @@ def test_selfcheck_under_srun_mpi_none_and_pmi2(slurm, tmp_path):
     each on its own node at once."""
     env = _env(slurm, tmp_path)
     procs = {mpi: subprocess.Popen(["timeout", "240", "srun", "-N", "1", "-n", "2", f"--mpi={mpi}",
-                                    "--kill-on-bad-exit=1", sys.executable, "-m", "parallel.selfcheck", "--spatial",
+                                    "--kill-on-bad-exit=1", sys.executable, "-m", "parallel.verify.selfcheck", "--spatial",
                                     "2", "1", "1"], env=env, cwd=ROOT, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True) for mpi in ("none", "pmi2")}
     outs = {mpi: p.communicate(timeout=260)[0] for mpi, p in procs.items()}

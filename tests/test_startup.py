@@ -8,8 +8,8 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from parallel.launch import NCCL_MARGIN_S, configure_cuda, free_port, process_group_timeout
-from parallel.devices import PlacementError, local_position, pick_device, plan_devices
+from parallel.runtime.launch import NCCL_MARGIN_S, configure_cuda, free_port, process_group_timeout
+from parallel.runtime.devices import PlacementError, local_position, pick_device, plan_devices
 
 
 @pytest.mark.parametrize("local_rank,local_size,n_gpus,expected", [

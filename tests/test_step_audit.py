@@ -33,8 +33,8 @@ FAMILIES = {
 # the sums of split layers (norm statistics, Flatten+Linear partial products, and their
 # adjoints in the backward) and the gradient sync.
 ALLOWED = {
-    "batch_isend_irecv": ("parallel.shell.", "parallel.halo."),
-    "all_reduce": ("parallel.gradsync.", "parallel.layers.norm.", "parallel.layers.linear.", "parallel.comm.autograd.",
+    "batch_isend_irecv": ("parallel.split.shell.", "parallel.split.halo."),
+    "all_reduce": ("parallel.model.gradsync.", "parallel.layers.norm.", "parallel.layers.linear.", "parallel.comm.autograd.",
                    "parallel.train.gradnorm.global_grad_norm"),  # a sharded weight's squared norm, one scalar
 }
 READS_ALLOWED = {
@@ -78,5 +78,5 @@ def test_a_steady_step_waits_only_for_halos_sums_and_the_gradient_sync(pools, da
             assert not extra, f"rank {rank} step {i}: host reads {dict(reads)}"
             kinds = {e[1] for e in events if e[0] == "collective"}
             assert {"batch_isend_irecv", "all_reduce"} <= kinds, events  # the audit sees the step's messages
-            assert any(e[2].startswith("parallel.gradsync.") for e in events), events
+            assert any(e[2].startswith("parallel.model.gradsync.") for e in events), events
         assert steps[1] == steps[2], f"rank {rank}: steady steps differ: {steps[1]} vs {steps[2]}"

@@ -19,7 +19,7 @@ import torch
 
 import steptime_cases
 from parallel.comm import timing
-from parallel.train.steptime import PARTS, StepTimes, format_line, summary_fields
+from parallel.train.observe.steptime import PARTS, StepTimes, format_line, summary_fields
 from train_helpers import launch, prepare
 
 

@@ -10,9 +10,9 @@ from omegaconf.errors import ValidationError
 
 from cosmoflow.family import FAMILY as COSMO, CosmoFlowJob
 from parallel.grid import Grid
-from parallel.train import checkpoint, rng
+from parallel.train.persist import checkpoint, rng
 from parallel.train.cli import CONFIG_ROOT, register
-from parallel.train.config import OptimConfig, ScheduleConfig, to_dataclass
+from parallel.job.config import OptimConfig, ScheduleConfig, to_dataclass
 from parallel.train.optim import Schedule, build_optimizer
 from unet3d.family import FAMILY as UNET, UNet3DJob
 

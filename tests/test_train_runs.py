@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from parallel.train import rundir
+from parallel.train.persist import rundir
 from train_helpers import prepare, python_m
 
 SMALL = ["--config-name", "smoke", "run.log_rank=0"]

@@ -13,10 +13,10 @@ import torch
 from cosmoflow.family import FAMILY
 from parallel.data.loader import StepStats
 from parallel.grid import Grid
-from parallel.train import checkpoint
-from parallel.train.family import model_config
+from parallel.train.persist import checkpoint
+from parallel.job.family import model_config
 from parallel.train.optim import build_optimizer
-from parallel.train.state import IOCounters, Progress, TrainState
+from parallel.train.persist.state import IOCounters, Progress, TrainState
 from train_helpers import launch, max_rel_diff, prepare
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "resume_v0"

@@ -18,10 +18,10 @@ from torch import nn
 
 from cosmoflow.family import FAMILY as COSMO
 from parallel.grid import Grid
-from parallel.train import usermodel
+from parallel.job import usermodel
 from parallel.train.checks import verify as verification
 from parallel.train.cli import CONFIG_ROOT, load_job, register
-from parallel.train.config import UnknownKeyError, to_dataclass
+from parallel.job.config import UnknownKeyError, to_dataclass
 from parallel.train.checks import InputError, check_model
 from train_helpers import REPO
 from unet3d.family import FAMILY as UNET
@@ -115,7 +115,7 @@ def test_a_network_with_a_global_pool_passes_the_split_check():
 
 def test_the_framework_imports_without_monai():
     code = ("import sys; sys.modules['monai'] = None\n"  # any 'import monai' now raises ImportError
-            "import parallel, parallel.verify, parallel.plan, parallel.selfcheck, parallel.train.lifecycle\n"
+            "import parallel, parallel.verify, parallel.plan, parallel.verify.selfcheck, parallel.train.lifecycle\n"
             "import cosmoflow.train, unet3d.train, cosmoflow.predict, unet3d.predict\n"
             "from parallel.plan import build_model, trace\n"
             "m, shape, _ = build_model('unet3d', (16, 16, 16), ['model.depth=2', 'model.base_filters=2'])\n"

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch.distributed as dist
 
-from parallel.failures import EXIT_CODE, PeerCheck, Record, looks_like_comm, plan_failure, reaction
+from parallel.runtime.failures import EXIT_CODE, PeerCheck, Record, looks_like_comm, plan_failure, reaction
 
 
 def test_the_abort_record_is_json_and_round_trips():

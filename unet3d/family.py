@@ -8,12 +8,12 @@ from enum import Enum
 
 import torch
 
-from parallel import augment as spatial_augment
+from parallel.data import augment as spatial_augment
 from parallel.grid import Grid
 from parallel.layers.shapes import input_volume
-from parallel.train.config import (DataConfig, EvalConfig, JobConfig, MLPerfConfig, OptimConfig, ScheduleConfig,
+from parallel.job.config import (DataConfig, EvalConfig, JobConfig, MLPerfConfig, OptimConfig, ScheduleConfig,
                                    TrainConfig)
-from parallel.train.family import Family, register
+from parallel.job.family import Family, register
 from unet3d.fields import SPEC, transform, transform_for
 from unet3d.losses import dice_ce_loss, dice_per_sample
 from unet3d.model import UNet3D, UNet3DConfig
@@ -46,7 +46,7 @@ class AugmentConfig:
 
     Each sample draws its own flips, brightness and noise from the step's seed and its row
     in the global batch, so the augmented batch is the same at every grid; flips of a
-    split volume fetch the mirrored blocks from their owners (``parallel.augment``). With
+    split volume fetch the mirrored blocks from their owners (``parallel.data.augment``). With
     training crops (``data.crop``) the augmentation applies to the crop, as in the reference
     (crop, then flips, brightness, noise).
     """

@@ -41,7 +41,7 @@ from parallel.data.crops import REGION_KEY
 from parallel.grid import Grid
 from parallel.infer import CaseRegion, WindowCrop, case_logits
 from parallel.train import checks
-from parallel.train.predict import Session, UsageError, case_shapes, load_run, open_session, parser, run
+from parallel.infer.predict import Session, UsageError, case_shapes, load_run, open_session, parser, run
 from unet3d.family import FAMILY
 
 log = logging.getLogger("parallel.predict")

@@ -22,9 +22,9 @@ from parallel.bench.network import fit, network
 from parallel.bench.ranks import run_ranks
 from parallel.bench.shared import Rows, sizes
 from parallel.bench.timing import load
-from parallel.layers.kernels import conv3d
+from parallel.layers.conv.kernels import conv3d
 from parallel.plan import Layer, first_layer
-from parallel.train.family import get, names
+from parallel.job.family import get, names
 
 
 def conv_throughput(shapes: Sequence[tuple[int, int, int, tuple[int, int, int], bool]],

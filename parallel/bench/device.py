@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from parallel.memory import peak_rss_bytes
+from parallel.runtime.memory import peak_rss_bytes
 
 
 def parse(text: str | torch.device) -> torch.device:

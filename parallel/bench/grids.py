@@ -15,7 +15,7 @@ from typing import Any
 from parallel.bench import device as dev
 from parallel.bench.shared import Rows, overrides_of, plot, sizes
 from parallel.bench.timing import load
-from parallel.train.family import get, names
+from parallel.job.family import get, names
 
 
 # -- layer ------------------------------------------------------------------------------

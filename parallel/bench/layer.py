@@ -15,7 +15,7 @@ from torch import nn
 import parallel
 from parallel.bench.timing import interleaved, median, ratio, spread
 from parallel.grid import Grid
-from parallel.layers.kernels import conv3d, thin_order
+from parallel.layers.conv.kernels import conv3d, thin_order
 
 SPLIT_VARIANTS = ("blocking", "overlap", "window_exchange")
 """The spatial conv's halo paths: the shell blocking and overlapped (the framework's), and

@@ -19,7 +19,7 @@ from parallel.bench import device as dev
 from parallel.bench.ranks import run_ranks
 from parallel.bench.timing import barrier_trials
 from parallel.grid import Grid
-from parallel.layers.kernels import conv3d
+from parallel.layers.conv.kernels import conv3d
 from parallel.plan import Layer, LocalOp, local_ops, op_key
 
 CPU = torch.device("cpu")
@@ -97,7 +97,7 @@ class _AddRows(torch.autograd.Function):
 
 
 def _shell_call(m: nn.Conv3d, op: LocalOp) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A split conv's local arithmetic (``parallel.layers.shellconv``): the block convolved
+    """A split conv's local arithmetic (``parallel.layers.conv.shell``): the block convolved
     zero-padded, plus one halo piece per split dim (the lower ranks' one neighbour) through
     the taps that reach it, added into the rows it feeds."""
     pads = tuple(m.padding) if not isinstance(m.padding, str) else tuple(

@@ -67,9 +67,9 @@ def network(grid: Grid, sizes: Sequence[int], trials: int) -> dict[str, Any]:
 
 def overlap_overhead(grid: Grid, trials: int) -> float:
     """Seconds an overlapped exchange costs beyond a blocking one: a small halo exchange
-    handed to ``parallel.halo.in_background`` and waited for, against the same exchange
+    handed to ``parallel.split.halo.in_background`` and waited for, against the same exchange
     made directly (nothing to overlap with, so the difference is the hand-off)."""
-    from parallel.halo import in_background
+    from parallel.split.halo import in_background
 
     peer = 1 - grid.rank
     out, got = torch.zeros(256, device=grid.device), torch.zeros(256, device=grid.device)

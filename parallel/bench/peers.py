@@ -32,7 +32,7 @@ from parallel.bench.peer_step import StepCase, parse_step
 from parallel.bench.shared import Rows, agree, failure
 from parallel.bench.timing import interleaved, load, median, ratio
 from parallel.grid import Grid
-from parallel.layers.kernels import conv3d
+from parallel.layers.conv.kernels import conv3d
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
-from parallel.launch import free_port
+from parallel.runtime.launch import free_port
 
 
 def _worker(rank: int, world: int, port: int, threads: int, fn: Callable[..., Any], args: tuple,
@@ -31,7 +31,7 @@ def _worker(rank: int, world: int, port: int, threads: int, fn: Callable[..., An
     try:
         where = torch.device("cpu")
         if device == "cuda":  # one GPU per rank, NCCL, TF32 off (the framework's defaults)
-            from parallel.launch import configure_cuda
+            from parallel.runtime.launch import configure_cuda
 
             where = torch.device("cuda", rank % torch.cuda.device_count())
             torch.cuda.set_device(where)

@@ -20,7 +20,7 @@ from parallel.bench.timing import load
 from parallel.data import BlockDataset, parse_splits, write_samples
 from parallel.data.format import SampleSpec
 from parallel.grid import Grid
-from parallel.train.family import Family, get, names
+from parallel.job.family import Family, get, names
 
 
 def synthetic_samples(family: Family, count: int, size: int, seed: int = 0) -> list[dict[str, np.ndarray]]:

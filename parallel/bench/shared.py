@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable, Iterator
 
-from parallel.train.family import get
+from parallel.job.family import get
 
 Rows = Iterator[dict[str, Any]]
 

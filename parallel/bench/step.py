@@ -12,7 +12,7 @@ from parallel.bench import device as dev
 from parallel.bench.timing import interleaved, median, ratio
 from parallel.grid import Grid
 from parallel.plan import build_model
-from parallel.train.family import get
+from parallel.job.family import get
 
 
 def make_model(name: str, size: Sequence[int], overrides: Sequence[str]) -> tuple[nn.Module, tuple[int, ...]]:

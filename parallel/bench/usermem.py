@@ -18,7 +18,7 @@ import parallel
 from parallel.bench import device as dev
 from parallel.bench.step import make_model
 from parallel.grid import Grid
-from parallel.train.family import get
+from parallel.job.family import get
 
 
 def _program(grid: Grid, name: str, size: Sequence[int], overrides: Sequence[str], batch: int,

@@ -2,7 +2,7 @@
 
 Nothing outside this package calls torch.distributed's communication functions
 (``tests/test_comm_layer.py`` reads the sources and fails on any that does); the halo
-exchange (``parallel.halo``) and the gradient sync (``parallel.gradsync``) are built on it.
+exchange (``parallel.split.halo``) and the gradient sync (``parallel.model.gradsync``) are built on it.
 
 - ``checks``: what a group accepts (device of its backend, dtype, a dense layout); a
   tensor it cannot take is refused with the caller's name.

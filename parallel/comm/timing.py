@@ -2,8 +2,8 @@
 
 The communication code wraps its calls in ``region(kind)``: the halo exchange's batched
 messages (``exchange``) and the wait for an exchange running in the background
-(``parallel.halo.in_background``) as ``HALO``; the gradient all-reduce's launch and the
-wait for it (``parallel.gradsync``) as ``ALLREDUCE``. Each region is
+(``parallel.split.halo.in_background``) as ``HALO``; the gradient all-reduce's launch and the
+wait for it (``parallel.model.gradsync``) as ``ALLREDUCE``. Each region is
 
 - a ``torch.profiler.record_function`` range (``parallel.halo_exchange``,
   ``parallel.halo_exchange_wait``, ``parallel.grad_allreduce``), so that a trace
@@ -37,7 +37,7 @@ import torch
 HALO = "halo_exchange"
 """The halo exchange: messages to and from the neighbours, and waiting for them."""
 ALLREDUCE = "grad_allreduce"
-"""The gradient all-reduce over the grid (``parallel.gradsync``)."""
+"""The gradient all-reduce over the grid (``parallel.model.gradsync``)."""
 KINDS = (HALO, ALLREDUCE)
 
 _local = threading.local()  # .background: this thread's regions overlap the step's (the halo thread)
@@ -53,7 +53,7 @@ def mark_background_thread() -> None:
 @contextlib.contextmanager
 def overlapped() -> Iterator[None]:
     """Inside, this thread's regions overlap the step's work (an exchange queued on a CUDA
-    side stream by ``parallel.halo.in_background``): named, not counted."""
+    side stream by ``parallel.split.halo.in_background``): named, not counted."""
     before = getattr(_local, "background", False)
     _local.background = True
     try:

@@ -8,7 +8,7 @@ Public API (all importable from ``parallel.data``)::
 
     from parallel.data import (BlockDataset, GlobalShuffleSampler, PartialShuffleSampler,
                                make_loader, stage, check_files, StepStats)
-    family = parallel.train.family.get(name)   # a model family: its sample spec and transform
+    family = parallel.job.family.get(name)   # a model family: its sample spec and transform
 
     # A rank's view of a directory (or list) of sample files. Volume fields come back as
     # this rank's block (C, d, h, w) (or (d, h, w) for channel-less fields such as a

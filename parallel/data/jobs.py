@@ -41,7 +41,7 @@ class _Mpi:
     """MPI rank, size, ranks on this node and barrier when launched by mpirun, else a world of one."""
 
     def __init__(self) -> None:
-        from parallel.launch import detect_launcher
+        from parallel.runtime.launch import detect_launcher
 
         self.comm = None
         self.rank, self.size, self.local_size = 0, 1, 1

@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from parallel import halo
+from parallel.split import halo
 from parallel.infer.windows import PAD_VALUE, WindowPlan, coverage_1d, importance_factors
 from parallel.partition import block_bounds
 

@@ -31,7 +31,7 @@ from torch import nn
 from parallel.kfac.config import KFACConfig
 from parallel.kfac.layers import Layer
 from parallel.kfac.patches import channel_gram, pad_volume, patch_gram, transposed_grad_pads
-from parallel.layers.conv import conv_pads
+from parallel.layers.conv.layer import conv_pads
 
 
 @dataclass

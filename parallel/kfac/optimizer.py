@@ -28,7 +28,7 @@ from parallel.kfac.config import KFACConfig
 from parallel.kfac.factors import reduce_factors
 from parallel.kfac.inverse import Eigen, decompose, precondition
 from parallel.kfac.layers import Layer, find_layers, serial_type
-from parallel.parallel_module import ParallelModule
+from parallel.model.parallel_module import ParallelModule
 
 log = logging.getLogger("parallel.kfac")
 

@@ -8,7 +8,7 @@ in D, H, W order). Along each dim:
 
 - not split: torch's own adaptive pooling along that dim only;
 - split, ``m`` at least the number of blocks: each rank owns the canonical block of the
-  output, fetches the input windows its outputs read (``parallel.halo.fetch``, whose
+  output, fetches the input windows its outputs read (``parallel.split.halo.fetch``, whose
   backward is its adjoint) and pools each window;
 - split, ``m == 1`` (a global pool): each rank reduces its block to one value, the ranks
   of the line exchange those values (a fetch of the whole line of partial results) and
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.halo import ExchangePlan, fetch
+from parallel.split.halo import ExchangePlan, fetch
 from parallel.layers.base import SpatialMixin
 from parallel.layers.replicated import mark_replicated
 from parallel.partition import DIM_NAMES, SplitError

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from parallel.grid import Grid
-from parallel.halo import ExchangePlan, make_plan
+from parallel.split.halo import ExchangePlan, make_plan
 from parallel.layers.shapes import ShapeTracker
 from parallel.partition import DIM_NAMES, SplitError, block_bounds
 

@@ -50,8 +50,8 @@ class SpatialDropout3d(_SyncedDropout, nn.Dropout3d):
 
 def generators(module: nn.Module | None) -> list[torch.Generator]:
     """The private generators of ``module``'s dropout layers, in module order: what a
-    recomputed block replays (``parallel.recompute``) and a checkpoint keeps
-    (``parallel.train.rng``)."""
+    recomputed block replays (``parallel.model.recompute``) and a checkpoint keeps
+    (``parallel.train.persist.rng``)."""
     gens: list[torch.Generator] = []
     for m in (module.modules() if module is not None else ()):
         for name in ("group_generator", "rank_generator"):

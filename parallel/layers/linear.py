@@ -9,7 +9,7 @@ The weight is *sharded* by block: each rank keeps only its block's columns as th
 ``(out, C x block voxels)``. ``parallelize(..., input_shape=...)`` (as the training loop and
 the benchmarks call it) shards it at once; without ``input_shape`` it is sharded at the
 model's first forward on a split block, when the volume is known, before any layer runs
-(``parallel.flatshard``), or, for a model the meta device cannot trace, at this layer's
+(``parallel.model.flatshard``), or, for a model the meta device cannot trace, at this layer's
 first forward (``shard_pending``). The
 parameter object stays the same (its data is replaced), so an optimiser built before that
 forward holds the shard; optimiser state that already has the whole shape (loaded before

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.halo import ExchangePlan, fetch
+from parallel.split.halo import ExchangePlan, fetch
 from parallel.layers.base import SpatialMixin
 
 

@@ -19,7 +19,7 @@ the sample's stored bytes over the spatial size, times the local batch.
 samples, built as training builds it. Layers after a global pool are whole on every rank
 (``trace`` follows that through the forward) and cost as serial layers. A
 ``parallel.spatial=auto`` training config asks ``choose`` for the world size at hand
-(``parallel.train.autosplit``).
+(``parallel.train.checks.autosplit``).
 
 One idea a module: ``machine`` (the measured figures), ``trace`` (the layers of a model),
 ``local`` (a rank's share of each layer), ``cost`` (the prediction), ``search`` (the
@@ -32,7 +32,7 @@ from parallel.plan.local import LocalOp, first_layer, local_ops, op_key, valid
 from parallel.plan.machine import Machine, default_calibration
 from parallel.plan.models import build_model
 from parallel.plan.search import choose, fit_hint, smallest_fit, splits, table
-from parallel.plan.trace import Layer, trace
+from parallel.model.trace import Layer, trace
 
 __all__ = ["Layer", "LocalOp", "Machine", "Options", "build_model", "choose", "default_calibration",
            "first_layer", "fit_hint", "local_ops", "op_key", "predict", "smallest_fit", "splits", "table", "trace",

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 from parallel.plan.local import LocalOp, local_ops, op_key
 from parallel.plan.machine import Machine
-from parallel.plan.trace import Layer
+from parallel.model.trace import Layer
 
 
 @dataclass
@@ -46,7 +46,7 @@ def _peak_activations(kept: list[float], working: list[float], blocks: list[int]
     """Peak bytes of activations and gradients over a step, besides the model input. The
     backward of layer ``i`` holds what layers ``0..i`` kept plus its two gradients (later
     layers' tensors are freed by then). Under recomputation, a block (``blocks[i]`` >= 0,
-    as ``parallel.recompute`` cuts them) keeps only its output through the forward, and
+    as ``parallel.model.recompute`` cuts them) keeps only its output through the forward, and
     holds its recomputed internals while it is backpropagated."""
     n = len(kept)
     last = [i == n - 1 or blocks[i] < 0 or blocks[i + 1] != blocks[i] for i in range(n)]
@@ -69,7 +69,7 @@ def _peak_activations(kept: list[float], working: list[float], blocks: list[int]
 
 def _native_columns(layer: Layer, op: LocalOp, batch: int, machine: Machine) -> float:
     """Bytes of the column buffer torch's native CPU kernel builds for an unsplit float32 conv
-    with N*C*D*H <= 20480 (``parallel.layers.kernels``; split blocks are reordered to
+    with N*C*D*H <= 20480 (``parallel.layers.conv.kernels``; split blocks are reordered to
     oneDNN instead): C_in x taps x output voxels, alive in the backward."""
     if machine.device != "cpu" or layer.kind != "conv" or any(op.split) or len(op.in_local) != 4:
         return 0.0
@@ -139,7 +139,7 @@ def predict(layers: list[Layer], machine: Machine, data: int, spatial: Sequence[
                 t = known
             if split_layer and layer.kind == "conv":
                 # The block is convolved in place (its time above); each halo piece adds its rows
-                # through the taps that reach it (parallel.layers.shellconv), and only the shell
+                # through the taps that reach it (parallel.layers.conv.shell), and only the shell
                 # travels (kept for the backward too).
                 halo_t = extra = 0.0
                 for a, parts in enumerate(spatial):
@@ -226,7 +226,7 @@ def overlap_pays(machine: Machine, conv: Any, shell: Any, x_shape: Sequence[int]
     the messages it would hide (``alpha + bytes / beta`` each, forward and backward), up to
     its block's convolution time, outweigh the overlapped path's hand-off
     (``machine.overlap_overhead``, twice: forward and backward)."""
-    from parallel.shell import extent
+    from parallel.split.shell import extent
 
     n, cin = x_shape[0], x_shape[1]
     elem = 4

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from parallel.plan.trace import Layer
+from parallel.model.trace import Layer
 
 
 def first_layer(layers: list[Layer], i: int) -> bool:

@@ -21,7 +21,7 @@ from typing import Any
 
 from parallel.plan.cost import Options, predict
 from parallel.plan.machine import Machine
-from parallel.plan.trace import Layer
+from parallel.model.trace import Layer
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from parallel.data.format import SampleSpec
-from parallel.train.family import get, model_config
-from parallel.train.usermodel import input_channels, is_user_model
+from parallel.job.family import get, model_config
+from parallel.job.usermodel import input_channels, is_user_model
 
 
 def stored_bytes_per_voxel(spec: SampleSpec, input_field: str, in_channels: int) -> float:

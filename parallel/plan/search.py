@@ -8,7 +8,7 @@ from typing import Any
 from parallel.plan.cost import Options, predict
 from parallel.plan.local import valid
 from parallel.plan.machine import Machine
-from parallel.plan.trace import Layer
+from parallel.model.trace import Layer
 
 
 def splits(devices: int, layers: list[Layer], max_data: int | None = None) -> list[tuple[int, tuple[int, int, int]]]:

@@ -25,8 +25,8 @@ from parallel.data.reader import SampleReadError
 from parallel.grid import Grid
 from parallel.infer.windows import WindowCrop
 from parallel.train.checks import SampleFacts, train_volume, window
-from parallel.train.config import JobConfig
-from parallel.train.family import Family
+from parallel.job.config import JobConfig
+from parallel.job.family import Family
 from parallel.train.prefetch import AheadCopies, copies_ahead
 
 log = logging.getLogger("parallel.train")

@@ -242,7 +242,7 @@ class ContinuedLog:
 def open_continued_log(cfg: Any, grid: Any, regrid_: Regrid | None, step: Callable[[], int]) -> ContinuedLog:
     """The run's ``mlperf.log`` opened for appending (rank 0; silent elsewhere); a line cut
     by the kill that ended the last session is dropped first, so every line parses."""
-    from parallel.train.mlperf import MLPerfLog
+    from parallel.train.observe.mlperf import MLPerfLog
 
     path = Path(cfg.run.dir) / "mlperf.log"
     if grid.rank == 0:

@@ -21,8 +21,8 @@ from torch import nn
 from parallel.grid import Grid
 from parallel.infer import evaluate_cases
 from parallel.train.checks import window as eval_window
-from parallel.train.config import JobConfig
-from parallel.train.family import Family
+from parallel.job.config import JobConfig
+from parallel.job.family import Family
 
 
 def autocast(precision: str, device: torch.device) -> ContextManager[Any]:

@@ -23,17 +23,18 @@ import torch
 import parallel
 from parallel.data.reader import SampleReadError
 from parallel.grid import Grid
-from parallel.launch import RendezvousError, env_rank
+from parallel.runtime.launch import RendezvousError, env_rank
 from parallel.partition import SplitError
-from parallel.train import checkpoint, elastic
+from parallel.train.persist import checkpoint
+from parallel.train import elastic
 from parallel.train.checks import ConfigError, InputError, JobChecks, is_auto
-from parallel.train.config import JobConfig
-from parallel.train.family import Family
+from parallel.job.config import JobConfig
+from parallel.job.family import Family
 from parallel.train.loop import Trainer
-from parallel.train.report import setup_logging
-from parallel.train.budget import start as hold_memory_budget
+from parallel.train.observe.report import setup_logging
+from parallel.train.checks.budget import start as hold_memory_budget
 from parallel.train.step import NonFiniteError
-from parallel.watchdog import Watchdog
+from parallel.runtime.watchdog import Watchdog
 
 log = logging.getLogger("parallel.train")
 
@@ -53,7 +54,7 @@ def train(cfg: JobConfig, family: Family, config_text: str | None = None) -> dic
 
     Any failure ends the process with a non-zero status (see the module docstring).
     ``config_text``: the resolved config, saved as ``run.dir/config.yaml`` once the run
-    directory is settled (``parallel.train.rundir``). A failure alike on every rank (bad
+    directory is settled (``parallel.train.persist.rundir``). A failure alike on every rank (bad
     config or data) ends with ``SystemExit`` on every rank, together, so every launcher
     reports its status (2) and a sweep run in these processes goes on to its next job.
     """
@@ -69,7 +70,7 @@ def train(cfg: JobConfig, family: Family, config_text: str | None = None) -> dic
     elastic.prepare(cfg)  # elastic restart (torchrun): resume from run.dir's last checkpoint on its own
 
     def decide(world: Any) -> list[int]:  # rank 0, once the process group runs; facts are not read again
-        from parallel.train.autosplit import auto_spatial
+        from parallel.train.checks.autosplit import auto_spatial
 
         facts = checks.read_facts()
         return auto_spatial(cfg, family, facts, world_size=world.world_size, local_size=world.max_ranks_per_node)
@@ -121,7 +122,7 @@ def _settle_run_dir(cfg: JobConfig, grid: Grid, config_text: str | None) -> Call
     or raises its refusal alike. Returns what saves ``config.yaml`` (rank 0), for the
     trainer to call once a resume is known to proceed."""
     from parallel import comm
-    from parallel.train import rundir
+    from parallel.train.persist import rundir
 
     answer: dict[str, str] = {"dir": cfg.run.dir}
     if grid.rank == 0:
@@ -158,7 +159,7 @@ def _start_watchdog(cfg: JobConfig, grid: Grid) -> Watchdog | None:
     address = grid.store_address
     if grid.world_size == 1 or address is None:
         return None
-    from parallel.launch import init_count
+    from parallel.runtime.launch import init_count
 
     # the restart of torchrun's agent, and the job of a sweep run in these processes
     attempt = (f"{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"

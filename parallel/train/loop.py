@@ -5,7 +5,7 @@ checkpoints and reporting.
 ``parallel.train.lifecycle.train`` started. The trainer owns the readers, the
 hybrid-parallel model, the optimiser and schedule, mixed precision and the
 ``TrainState``; one step is a ``TrainStep``; the family supplies the network, fields,
-loss and metric (``parallel.train.family.Family``).
+loss and metric (``parallel.job.family.Family``).
 """
 
 from __future__ import annotations
@@ -21,27 +21,28 @@ from parallel import comm
 from mlperf_logging.mllog import constants as C
 
 import parallel
-from parallel import layout
+from parallel.split import layout
 from parallel.grid import Grid
 from parallel.infer import evaluation_due
-from parallel.random_draws import stream_seed
-from parallel.train import checkpoint, elastic, rng, stopsignal
+from parallel.model.random_draws import stream_seed
+from parallel.train.persist import checkpoint, rng
+from parallel.train import elastic, stopsignal
 from parallel.train.checks import InputError, JobChecks
 from parallel.train.compiled import compile_model
-from parallel.train.config import JobConfig
+from parallel.job.config import JobConfig
 from parallel.train.data import build_data, fixed_shapes
 from parallel.train.evaluate import evaluate
-from parallel.train.family import Family
-from parallel.train.mlperf import log_submission, open_log
+from parallel.job.family import Family
+from parallel.train.observe.mlperf import log_submission, open_log
 from parallel.train.optim import Schedule, build_optimizer
-from parallel.train.report import (Reporter, conv_paths, format_summary, gather_per_rank, peak_memory_bytes,
+from parallel.train.observe.report import (Reporter, conv_paths, format_summary, gather_per_rank, peak_memory_bytes,
                                    peak_reserved_bytes, reset_peak_memory, summarize)
 from parallel.train.scaler import LossScaler
-from parallel.train.profile import StepProfiler
-from parallel.train.state import TrainState, plain_config
+from parallel.train.observe.profile import StepProfiler
+from parallel.train.persist.state import TrainState, plain_config
 from parallel.train.step import NonFiniteGuard, TrainStep
-from parallel.train.steptime import StepTimes
-from parallel.train.steptime import summary_fields as step_time_fields
+from parallel.train.observe.steptime import StepTimes
+from parallel.train.observe.steptime import summary_fields as step_time_fields
 
 log = logging.getLogger("parallel.train")
 
@@ -97,7 +98,7 @@ class Trainer:
         # Flatten+Linear weights sharded by block, except under K-FAC, which preconditions the
         # whole weight (a sharded one would take the plain update, unlike the serial run).
         # parallel.verify: the converted model against a copy of the serial one, before the first step
-        cl = cfg.parallel.channels_last  # auto: where NDHWC was measured faster (parallel.layout.preferred)
+        cl = cfg.parallel.channels_last  # auto: where NDHWC was measured faster (parallel.split.layout.preferred)
         self.channels_last = layout.preferred(grid.device, str(cfg.train.precision)) if cl == "auto" else bool(cl)
         self.pmodel = checks.verify(self.model, lambda: parallel.parallelize(
             self.model, grid, seed=cfg.train.seed, overlap_halo=cfg.parallel.overlap_halo,
@@ -124,7 +125,7 @@ class Trainer:
         self.state = TrainState(self.model, self.optimizer, scaler, self.steps_per_epoch, meta)
         self.progress = self.state.progress
         self.saved_step: int | None = None
-        # -- checkpoints by steps or wall time, written in the background (parallel.train.checkpoint.Writer) --
+        # -- checkpoints by steps or wall time, written in the background (parallel.train.persist.checkpoint.Writer) --
         self.writer = checkpoint.Writer(background=cfg.run.checkpoint_background)
         self._saved_t = time.perf_counter()
         self._run_s_before = 0.0  # run seconds of earlier sessions (a resumed run)

@@ -23,7 +23,7 @@ from typing import Any, Collection, Iterable
 
 import torch
 
-from parallel.train.config import OptimConfig, ScheduleConfig
+from parallel.job.config import OptimConfig, ScheduleConfig
 
 
 def peak_lr(cfg: OptimConfig, global_batch_size: int) -> float:

@@ -24,14 +24,14 @@ from parallel import comm
 from torch import nn
 
 from parallel.grid import Grid
-from parallel.train.config import JobConfig
+from parallel.job.config import JobConfig
 from parallel.train.data import Batch
 from parallel.train.evaluate import autocast, compute_dtype
-from parallel.train.family import Family
+from parallel.job.family import Family
 from parallel.train.gradnorm import clip_coefficient, global_grad_norm, read_host, scale_grads_
 from parallel.train.optim import Schedule
 from parallel.train.scaler import LossScaler
-from parallel.train.state import Progress
+from parallel.train.persist.state import Progress
 
 log = logging.getLogger("parallel.train")
 

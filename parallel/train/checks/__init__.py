@@ -24,14 +24,14 @@ from typing import Callable
 from torch import nn
 
 from parallel.grid import Grid
-from parallel.parallel_module import ParallelModule
+from parallel.model.parallel_module import ParallelModule
 from parallel.train.checks import verify as split_check
 from parallel.train.checks.config import check_world, is_auto, train_volume, validate_config, window
 from parallel.train.checks.errors import MAX_LISTED, ConfigError, InputError, quote_problems
 from parallel.train.checks.fit import Strides, check_cases, check_model, meta_trace
 from parallel.train.checks.samples import SampleFacts, check_data, read_facts
-from parallel.train.config import JobConfig
-from parallel.train.family import Family
+from parallel.job.config import JobConfig
+from parallel.job.family import Family
 
 __all__ = ["MAX_LISTED", "PHASES", "ConfigError", "InputError", "JobChecks", "SampleFacts", "Strides",
            "check_cases", "check_data", "check_model", "check_world", "is_auto", "quote_problems", "meta_trace",

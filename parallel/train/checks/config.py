@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from parallel.train.checks.errors import ConfigError
-from parallel.train.config import JobConfig
+from parallel.job.config import JobConfig
 
 Shape = tuple[int, int, int]
 

@@ -1,5 +1,5 @@
 """Whether the network fits the volumes it will see, and the split: checked on the meta
-device (``parallel.plan.trace``: shapes only, no memory, no compute), before anything
+device (``parallel.model.trace``: shapes only, no memory, no compute), before anything
 is read.
 
 A split may hold samples of different (D, H, W) (real CT cases do). What the network
@@ -33,13 +33,13 @@ import torch
 
 from parallel.grid import Grid
 from parallel.partition import DIM_NAMES, SplitError, block_bounds
-from parallel.plan.trace import Layer, trace
-from parallel.random_draws import check_model as check_random_draws
+from parallel.model.trace import Layer, trace
+from parallel.model.random_draws import check_model as check_random_draws
 from parallel.train.checks.config import Shape, train_volume, window
 from parallel.train.checks.errors import InputError, quote_problems
-from parallel.train.config import JobConfig
-from parallel.train.family import Family
-from parallel.train.usermodel import check_user_model, is_user_model
+from parallel.job.config import JobConfig
+from parallel.job.family import Family
+from parallel.job.usermodel import check_user_model, is_user_model
 
 log = logging.getLogger("parallel.train")
 

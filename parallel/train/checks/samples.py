@@ -29,8 +29,8 @@ from parallel.grid import Grid
 from parallel.partition import SplitError
 from parallel.train.checks.errors import InputError, quote_problems
 from parallel.train.checks.fit import weights_depend_on_volume
-from parallel.train.config import JobConfig
-from parallel.train.family import Family
+from parallel.job.config import JobConfig
+from parallel.job.family import Family
 
 log = logging.getLogger("parallel.train")
 

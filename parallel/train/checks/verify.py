@@ -28,9 +28,9 @@ import torch
 from torch import nn
 
 from parallel.grid import Grid
-from parallel.parallel_module import ParallelModule
+from parallel.model.parallel_module import ParallelModule
 from parallel.train.checks.errors import InputError
-from parallel.train.usermodel import is_user_model
+from parallel.job.usermodel import is_user_model
 from parallel.verify import VerificationError, custom_forwards, probe_shape, verify
 
 log = logging.getLogger("parallel.train")

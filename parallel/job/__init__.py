@@ -1,0 +1,1 @@
+"""What a training job is: typed config, model families, user models."""

@@ -1,0 +1,1 @@
+"""A serial model turned into its split form: parallelize, ParallelModule, gradient sync."""

@@ -1,0 +1,1 @@
+"""The process around the ranks: launch, devices, the watchdog, failures, memory."""

@@ -1,0 +1,1 @@
+"""Tensors split in space: halo exchange, the halo shell, scatter/gather, layouts."""

@@ -1,0 +1,1 @@
+"""What a run tells: logs, metrics, TensorBoard, MLPerf log, step times, traces."""

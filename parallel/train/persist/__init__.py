@@ -1,0 +1,1 @@
+"""What a run keeps: checkpoints, the training state, RNG streams, the run directory."""
