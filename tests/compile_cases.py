@@ -10,7 +10,7 @@ from torch import nn
 
 import parallel
 from parallel.grid import Grid
-from parallel.train.compiled import compile_model
+from parallel.model.compiled import compile_model
 
 
 def _net() -> nn.Module:

@@ -26,7 +26,8 @@ import pytest
 import torch
 
 from parallel.runtime.launch import free_port
-from parallel.train.persist import checkpoint
+from parallel.job import checkpoint
+from parallel.train.persist import writer
 from parallel.train import elastic
 from train_helpers import BIN, REPO, env, kill_during_checkpoint_write, launch, max_rel_diff, prepare, weights
 
@@ -240,16 +241,16 @@ def test_the_background_writer_writes_a_copy_taken_at_the_save(tmp_path):
 
     grid = Grid((1, 1, 1), 1, 0)
     model = torch.nn.Linear(3, 2)
-    writer = checkpoint.Writer(background=True)
+    w = writer.Writer(background=True)
     path = checkpoint.checkpoint_path(tmp_path)
     with torch.no_grad():
         model.weight.fill_(1.0)
-    writer.save(path, grid, {"model": model.state_dict(), "step": 1})
+    w.save(path, grid, {"model": model.state_dict(), "step": 1})
     with torch.no_grad():
         model.weight.fill_(2.0)  # training goes on while the copy is written
-    writer.finish(grid)
+    w.finish(grid)
     assert float(checkpoint.load(path)["model"]["weight"][0, 0]) == 1.0
-    costs = writer.costs()
+    costs = w.costs()
     assert costs["written"] == 1 and costs["write_seconds"] > 0 and costs["background"]
 
 

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from parallel.grid import Grid
-from parallel.train.persist import checkpoint
+from parallel.job import checkpoint
+from parallel.train.persist import writer
 from train_helpers import kill_during_checkpoint_write, launch, prepare, python_m, weights
 
 TINY = ["--config-name", "quickstart", "train.global_batch_size=4", "model.conv_filters=4", "model.n_conv_blocks=2",
@@ -103,7 +104,7 @@ def test_keep_last_k_and_fall_back_to_an_older_readable_one(tmp_path):
     for step in range(1, 5):
         with torch.no_grad():
             model.weight.fill_(step)
-        checkpoint.save(path, grid, {"model": model.state_dict(), "step": step}, keep=3)
+        writer.save(path, grid, {"model": model.state_dict(), "step": step}, keep=3)
     assert [p.name for p in checkpoint.kept(path.parent)] == [f"step_00000000{s}.pt" for s in (2, 3, 4)]
     # a damaged last.pt (written anew, so not the hard-linked newest step file)
     data = path.read_bytes()

@@ -21,7 +21,7 @@ import torch
 
 from cosmoflow.fields import SPEC
 from parallel.data.check import check_file
-from parallel.train.persist import checkpoint
+from parallel.job import checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = sorted(p for d in ("parallel", "cosmoflow", "unet3d", "scripts") for p in (REPO / d).rglob("*.py"))

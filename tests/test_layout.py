@@ -1,5 +1,6 @@
-"""The package layout issue 15 settled: the framework (``parallel/``) imports no model
-family, and no source file grows past 400 lines."""
+"""The package layout: the framework (``parallel/``) imports no model family; its folders
+are layers, each importing only from itself and the layers below it (``LAYERS``, drawn in
+docs/parallel.md's module map); no import circle; no source file grows past 400 lines."""
 
 import ast
 from pathlib import Path
@@ -139,6 +140,74 @@ def test_the_circle_audit_sees_lazy_and_relative_imports(tmp_path):
     graph = import_graph(tmp_path)
     assert graph["parallel.a"] == {"parallel.sub.b"} and graph["parallel.sub.b"] == {"parallel.a"}
     assert import_circles(graph) == [["parallel.a", "parallel.sub.b"]]
+
+
+LAYERS: tuple[tuple[str, ...], ...] = (
+    # bottom first: a module imports only its own folder and the folders of lower rows
+    ("parallel.partition", "parallel.placement"),  # a dim cut into blocks | ranks on hosts
+    ("parallel.grid",),                         # the process grid: data x spatial
+    ("parallel.comm",),                         # every collective and message
+    ("parallel.runtime", "parallel.split"),     # the process around the ranks | tensors split in space
+    ("parallel.layers",),                       # every split op
+    ("parallel.model", "parallel.data"),        # a model in its split form | each rank's block from storage
+    ("parallel.verify", "parallel.kfac"),       # the check against serial | second-order preconditioning
+    ("parallel.job",),                          # what a training job is: config, families, checkpoint files
+    ("parallel.plan",),                         # the cost model, its choice of split and its command line
+    ("parallel",),                              # the public API (parallel/__init__.py) and its entry points
+    ("parallel.infer",),                        # whole cases: sliding window, evaluation, prediction
+    ("parallel.train.checks", "parallel.train.persist", "parallel.train.observe"),
+    ("parallel.train",),                        # the loop, the step and the job's start and end
+    ("parallel.train.cli",),                    # Hydra's command line
+    ("parallel.bench",),                        # measurements of this machine
+)
+"""The layers of ``parallel/``: a module belongs to the longest name it starts with."""
+
+
+def layer_of(module: str) -> tuple[int, str]:
+    """(row in ``LAYERS``, the folder) of a module of ``parallel``: a module directly in
+    ``parallel/`` that no row names (``python -m parallel.selfcheck``) is the public API's."""
+    best = max((name for row in LAYERS for name in row if module == name or module.startswith(name + ".")),
+               key=len, default=None)
+    if best is None:
+        raise KeyError(f"{module} belongs to no layer of LAYERS")
+    return next(i for i, row in enumerate(LAYERS) if best in row), best
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a module in a layer above the importer's, or in a sibling folder of
+    the same row (siblings stay independent of each other)."""
+    found = []
+    for mod, targets in sorted(graph.items()):
+        row, folder = layer_of(mod)
+        for t in sorted(targets):
+            t_row, t_folder = layer_of(t)
+            if t_row > row or (t_row == row and t_folder != folder):
+                found.append(f"{mod} ({folder}) imports {t} ({t_folder})")
+    return found
+
+
+@pytest.mark.unit
+def test_every_module_has_a_layer_and_imports_only_below():
+    graph = import_graph()
+    assert len(graph) > 100
+    for mod in graph:
+        layer_of(mod)  # KeyError for a module outside every layer
+    assert not upward_imports(graph), "\n".join(upward_imports(graph))
+
+
+@pytest.mark.unit
+def test_the_layering_audit_sees_an_upward_import(tmp_path):
+    pkg = tmp_path / "parallel"
+    for folder in ("layers", "train", "comm"):
+        (pkg / folder).mkdir(parents=True)
+        (pkg / folder / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "comm" / "ops.py").write_text("")
+    (pkg / "train" / "loop.py").write_text("from parallel.layers import conv\n")
+    (pkg / "layers" / "conv.py").write_text("def f():\n    from parallel.train.loop import x\n"
+                                            "from parallel.comm import ops\n")
+    found = upward_imports(import_graph(tmp_path))
+    assert found == ["parallel.layers.conv (parallel.layers) imports parallel.train.loop (parallel.train)"]
 
 
 def _imported_from(path: Path, package: str) -> set[str]:

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from parallel import Grid
-from parallel.train.persist import checkpoint, rng
+from parallel.job import checkpoint
+from parallel.train.persist import rng, writer
 
 GRID = Grid((1, 1, 1), 1, 0)
 
@@ -30,7 +31,7 @@ def _saved(tmp_path, model=None):
     """A checkpoint written at step 4, and the draws that follow the save on each stream."""
     path = checkpoint.checkpoint_path(tmp_path)
     torch.manual_seed(3)
-    checkpoint.save(path, GRID, {"model": {}, "step": 4}, model)
+    writer.save(path, GRID, {"model": {}, "step": 4}, model)
     after = [torch.rand(3)]
     if model is not None:
         after += [torch.rand(3, generator=model.group_generator), torch.rand(3, generator=model.rank_generator)]

@@ -10,7 +10,8 @@ from cosmoflow.family import FAMILY as COSMO, CosmoFlowJob
 from cosmoflow.model import CosmoFlow, CosmoFlowConfig, reference_decayed
 from parallel.train.cli import CONFIG_ROOT, register
 from parallel.job.config import OptimConfig, ScheduleConfig, to_dataclass
-from parallel.train.optim import KerasSGD, Schedule, build_optimizer, check_schedule
+from parallel.train.checks.config import check_schedule
+from parallel.train.optim import KerasSGD, Schedule, build_optimizer
 from unet3d.family import FAMILY as UNET, UNet3DJob
 
 TRAIN_SAMPLES = 524288  # MLPerf HPC CosmoFlow's training set

@@ -10,7 +10,8 @@ from omegaconf.errors import ValidationError
 
 from cosmoflow.family import FAMILY as COSMO, CosmoFlowJob
 from parallel.grid import Grid
-from parallel.train.persist import checkpoint, rng
+from parallel.job import checkpoint
+from parallel.train.persist import rng, writer
 from parallel.train.cli import CONFIG_ROOT, register
 from parallel.job.config import OptimConfig, ScheduleConfig, to_dataclass
 from parallel.train.optim import Schedule, build_optimizer
@@ -82,7 +83,7 @@ def test_checkpoint_is_atomic_and_weights_only(tmp_path):
     opt.step()
     path = checkpoint.checkpoint_path(tmp_path)
     torch.manual_seed(7)
-    checkpoint.save(path, grid, {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 3})
+    writer.save(path, grid, {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 3})
     expected = torch.rand(4)
     assert [p.name for p in path.parent.iterdir()] == ["last.pt"]  # no temporary left behind
     ckpt = checkpoint.load(path)  # weights_only=True inside

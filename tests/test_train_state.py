@@ -13,7 +13,7 @@ import torch
 from cosmoflow.family import FAMILY
 from parallel.data.loader import StepStats
 from parallel.grid import Grid
-from parallel.train.persist import checkpoint
+from parallel.job import checkpoint
 from parallel.job.family import model_config
 from parallel.train.optim import build_optimizer
 from parallel.train.persist.state import IOCounters, Progress, TrainState

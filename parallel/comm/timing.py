@@ -101,7 +101,7 @@ class region:
 
 def keep_out_of_compile() -> None:
     """Make Dynamo run the regions as they are instead of tracing them (``torch.compile``
-    of a split model: ``parallel.train.compiled``). Traced, a region's clock reading became
+    of a split model: ``parallel.model.compiled``). Traced, a region's clock reading became
     a guard on its value, and every call recompiled. Done on demand, not at import, since
     ``torch.compiler.disable`` imports Dynamo: a second of start-up for every process."""
     for name in ("__enter__", "__exit__"):

@@ -31,9 +31,8 @@ from parallel.data.format import sample_files
 from parallel.data.reader import SampleReadError
 from parallel.grid import Grid
 from parallel.runtime.launch import env_rank
-from parallel.train.persist import checkpoint
-from parallel.train.cli import load_job
-from parallel.job.config import UnknownKeyError
+from parallel.job import checkpoint
+from parallel.job.from_hydra import UnknownKeyError, load_job
 from parallel.job.family import Family
 
 log = logging.getLogger("parallel.predict")

@@ -151,7 +151,7 @@ class TrainConfig:
     (``parallel.train.observe.profile``, docs/performance.md)."""
     compile: Any = False
     """``torch.compile`` the split model: true (Inductor), false, or a backend name (``aot_eager``);
-    refused, naming the reason, where it cannot run (``parallel.train.compiled``)."""
+    refused, naming the reason, where it cannot run (``parallel.model.compiled``)."""
     nonfinite: NonFinite = NonFinite.fail
     """A step whose loss or gradients are NaN or inf: ``fail`` stops the run (the last
     checkpoint stays the last good one); ``skip`` drops the update and counts the step."""
@@ -195,6 +195,10 @@ class OptimConfig:
     kfac: KFACConfig = field(default_factory=KFACConfig)
     """K-FAC's settings (used with ``name=kfac``): damping, intervals, factor decay, KL
     clip, layer choice, precisions (``parallel.kfac.KFACConfig``)."""
+
+    def peak_lr(self, global_batch_size: int) -> float:
+        """The LR after warmup: ``lr``, scaled linearly with the batch if ``lr_scale_batch`` is set."""
+        return self.lr * global_batch_size / self.lr_scale_batch if self.lr_scale_batch else self.lr
 
 
 @dataclass
@@ -268,7 +272,7 @@ class RunConfig:
     """Also write ``last.pt`` every this many steps (0: only at epoch ends and at the end)."""
     keep_checkpoints: int = 1
     """Checkpoints kept: ``last.pt`` and, when above 1, the newest N as ``step_<step>.pt``."""
-    # -- bounded loss of work (issue 26: parallel.train.persist.checkpoint.Writer, docs/failures.md) --
+    # -- bounded loss of work (parallel.train.persist.writer.Writer, docs/failures.md) --
     checkpoint_every_s: float = 0.0
     """Also write ``last.pt`` once this many seconds of wall time passed since the last one
     (0: off); rank 0's clock decides for every rank. Bounds the work a dead node costs."""

@@ -27,6 +27,8 @@ from typing import Any, Dict, Sequence
 import torch
 from torch import nn
 
+from parallel.model.trace import meta_copy, meta_forward, on_meta
+
 log = logging.getLogger("parallel.train")
 
 TARGET = "_target_"
@@ -120,9 +122,8 @@ def check_user_model(model: nn.Module, family: Any, target_cfg: Any, volume: Seq
     compares with the target field. Raises ``ValueError`` saying which model key to set."""
     name = target_cfg[TARGET]
     volume = tuple(int(v) for v in volume)
-    try:
-        with torch.no_grad():  # in eval mode: BatchNorm refuses one voxel of one sample in training mode
-            out = model.to("meta").eval()(torch.zeros((1, channels, *volume), device="meta"))
+    try:  # in eval mode: BatchNorm refuses one voxel of one sample in training mode
+        out = meta_forward((model if on_meta(model) else meta_copy(model)).eval(), (channels, *volume))
     except (RuntimeError, ValueError, TypeError, IndexError) as err:
         hint = ""
         if re.search(r"to have \d+ channels|channel dimensions", str(err)):

@@ -21,7 +21,6 @@ and buffer layout as the optimiser:
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -33,6 +32,7 @@ from parallel.kfac.config import KFACConfig
 from parallel.kfac.factors import packed_size
 from parallel.kfac.inverse import EIGH_FLOPS_PER_DIM3, assign, loads
 from parallel.kfac.layers import find_layers
+from parallel.model.trace import hooked, meta_copy, meta_forward, on_meta
 
 
 @dataclass
@@ -63,23 +63,16 @@ class KFACCosts:
 
 
 def _shapes(model: nn.Module, per_sample: Sequence[int]) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Per-sample (input, output) shapes of every Conv3d, ConvTranspose3d and Linear."""
-    meta = copy.deepcopy(model).to("meta") if any(p.device.type != "meta" for p in model.parameters()) else model
+    """Per-sample (input, output) shapes of every Conv3d, ConvTranspose3d and Linear (a
+    forward on the meta device, ``parallel.model.trace``; the model untouched)."""
     shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
-    names = {id(m): n for n, m in meta.named_modules()}
 
-    def record(m: nn.Module, inputs: tuple, output: Any) -> None:
-        shapes.setdefault(names[id(m)], (tuple(inputs[0].shape[1:]), tuple(output.shape[1:])))
+    def record(name: str, _m: nn.Module, inputs: tuple, output: Any) -> None:
+        shapes.setdefault(name, (tuple(inputs[0].shape[1:]), tuple(output.shape[1:])))
 
-    hooks = [m.register_forward_hook(record) for m in meta.modules()
-             if isinstance(m, (nn.Conv3d, nn.ConvTranspose3d, nn.Linear))]
-    try:
-        with torch.no_grad():
-            dtype = next((p.dtype for p in meta.parameters() if p.is_floating_point()), torch.float32)
-            meta(torch.zeros((1, *per_sample), device="meta", dtype=dtype))
-    finally:
-        for h in hooks:
-            h.remove()
+    dry = model if on_meta(model) else meta_copy(model)
+    with hooked(dry, record, lambda _n, m: isinstance(m, (nn.Conv3d, nn.ConvTranspose3d, nn.Linear))):
+        meta_forward(dry, per_sample)
     return shapes
 
 

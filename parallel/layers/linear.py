@@ -270,9 +270,13 @@ def cut_optimizer_state(sd: dict[str, Any], optimizer: torch.optim.Optimizer, mo
     return sd
 
 
-def whole(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """``value`` (the parameter's data, gradient or per-element state) whole: gathered over the
-    spatial group where ``param`` is a sharded weight (a collective), else ``value`` itself."""
+def whole(param: torch.Tensor, value: torch.Tensor | None = None) -> torch.Tensor:
+    """``value`` (default: the parameter's data; or its gradient, or an optimiser state of its
+    shape) as the serial model holds it: gathered over the spatial group where ``param`` is
+    a Flatten+Linear weight sharded by block (a collective: every rank of the group calls
+    it), else ``value`` itself. Public as ``parallel.whole``: compare a split model's
+    parameters or gradients with the serial model's, ``parallel.whole(p, p.grad)``."""
+    value = param.detach() if value is None else value
     ref = getattr(param, "spatial_shard_layer", None)
     layer = ref() if ref is not None else None
     return value if layer is None or layer.shard is None else layer.gather(value)

@@ -3,7 +3,7 @@ the serial model sees, from a forward on the meta device (no memory, no compute)
 
 ``parallelize(..., input_shape=...)`` cuts the weights at once. Without ``input_shape``
 the sample's shape is known only at the model's first forward: ``ParallelModule`` then
-traces a meta-device copy of the serial model (``meta_copy``, taken before the layers
+traces a meta-device copy of the serial model (``structure``, taken before the layers
 were converted) and cuts the weights before any layer runs, so the whole weight is freed
 before the activations are allocated (at 256^3 CosmoFlow's whole weight is 67 MB per rank,
 against its 8 MB shard at 2x2x2). Where the model does not run on the meta device each
@@ -12,7 +12,6 @@ Linear cuts its own weight when its forward reaches it (``SpatialLinear.shard_pe
 
 from __future__ import annotations
 
-import copy
 import logging
 from typing import Any, Mapping, Sequence
 
@@ -21,38 +20,31 @@ from torch import nn
 
 from parallel.grid import Grid
 from parallel.layers.linear import SpatialLinear
+from parallel.model.trace import hooked, meta_copy, meta_forward, on_meta
 
 log = logging.getLogger("parallel")
 
 
 def flatten_inputs(model: nn.Module, input_shape: Sequence[int]) -> dict[str, tuple[int, ...]]:
     """The per-sample input shape of every ``nn.Flatten`` of the serial ``model`` for a
-    sample of ``input_shape`` (C, D, H, W), from a forward on the meta device (no memory,
-    no compute, the model's own tensors untouched); empty where the model cannot run there."""
-    from torch.func import functional_call
-
+    sample of ``input_shape`` (C, D, H, W), from a forward on the meta device
+    (``parallel.model.trace``: no memory, no compute, the model's own tensors untouched);
+    empty where the model cannot run there."""
     found: dict[str, tuple[int, ...]] = {}
-
-    def record(name: str) -> Any:
-        def hook(module: nn.Module, inputs: tuple, output: Any) -> None:
-            found.setdefault(name, tuple(inputs[0].shape[1:]))
-        return hook
-
-    hooks = [m.register_forward_hook(record(name)) for name, m in model.named_modules() if isinstance(m, nn.Flatten)]
-    if not hooks:
+    if not any(isinstance(m, nn.Flatten) for m in model.modules()):
         return found
-    meta = {k: torch.empty_like(v, device="meta") for k, v in (*model.named_parameters(), *model.named_buffers())}
-    dtype = next((v.dtype for v in meta.values() if v.is_floating_point()), torch.float32)
+
+    def record(name: str, _m: nn.Module, inputs: tuple, _out: Any) -> None:
+        found.setdefault(name, tuple(inputs[0].shape[1:]))
+
     try:
-        with torch.no_grad():
-            functional_call(model, meta, (torch.empty((1, *input_shape), device="meta", dtype=dtype),))
+        dry = model if on_meta(model) else meta_copy(model)
+        with hooked(dry, record, lambda _n, m: isinstance(m, nn.Flatten)):
+            meta_forward(dry, input_shape)
     except Exception as err:  # noqa: BLE001 - a model that needs real tensors: its Linear stays whole
         log.info("Linear weights stay whole: the model does not run on the meta device (%s: %s)",
                  type(err).__name__, err)
         found.clear()
-    finally:
-        for h in hooks:
-            h.remove()
     return found
 
 
@@ -75,17 +67,12 @@ def shard_linears(model: nn.Module, grid: Grid, flat: Mapping[str, tuple[int, ..
     return count
 
 
-def meta_copy(model: nn.Module) -> nn.Module | None:
-    """The model's structure with every parameter and buffer on the meta device (no copy of
-    their data), for ``flatten_inputs`` once the sample's shape is known; None where the
-    model cannot be copied (its Linear weights then shard at their own first forward)."""
-    memo: dict[int, Any] = {}
-    for p in model.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-    for b in model.buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta")
+def structure(model: nn.Module) -> nn.Module | None:
+    """The model's structure on the meta device (``parallel.model.trace.meta_copy``), for
+    ``flatten_inputs`` once the sample's shape is known; None where the model cannot be
+    copied (its Linear weights then shard at their own first forward)."""
     try:
-        return copy.deepcopy(model, memo)
+        return meta_copy(model)
     except Exception as err:  # noqa: BLE001 - e.g. a module holding a lock or a file
         log.info("Linear weights shard at their first forward: the model cannot be copied (%s: %s)",
                  type(err).__name__, err)

@@ -39,7 +39,7 @@ class ParallelModule(nn.Module):
         self.grid = grid
         self.shapes = shapes
         self.bucket_mb = bucket_mb
-        # The serial structure on the meta device (parallel.model.flatshard.meta_copy): traced at the
+        # The serial structure on the meta device (parallel.model.flatshard.structure): traced at the
         # first forward to cut the pending Flatten+Linear weights before any layer runs. Kept
         # out of the module tree (not a submodule: no parameters, no state_dict keys).
         self.__dict__["_shape_probe"] = shape_probe

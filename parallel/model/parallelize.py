@@ -8,9 +8,8 @@ a model that runs serially runs split, with the same numbers.
 
 from __future__ import annotations
 
-import copy
 import logging
-from typing import Any, Mapping, Sequence, Union
+from typing import Any, Callable, Mapping, Sequence, Union
 
 import torch
 from torch import nn
@@ -18,7 +17,7 @@ from torch import nn
 from parallel import comm
 
 from parallel.split import layout
-from parallel.model.flatshard import flatten_inputs, meta_copy, shard_linears
+from parallel.model.flatshard import flatten_inputs, shard_linears, structure
 from parallel.grid import Grid
 from parallel.layers.adaptive import SpatialAdaptiveAvgPool3d, SpatialAdaptiveMaxPool3d
 from parallel.layers.base import SpatialMixin, convert
@@ -36,9 +35,9 @@ from parallel.model.recompute import checkpoint_blocks
 
 log = logging.getLogger("parallel")
 
-# What ``parallelize(..., verify=...)`` accepts: off (None, False), True (a probe sized from
-# the network), a probe shape (N, C, D, H, W) or a global probe tensor.
-Probe = Union[None, bool, Sequence[int], torch.Tensor]
+# What ``overlap_halo`` accepts: off (None, False), on (True), or a policy asked per split
+# convolution and geometry, ``policy(layer, shell, input_shape) -> bool``.
+OverlapPolicy = Union[None, bool, Callable[[Any, Any, Sequence[int]], bool]]
 
 SPATIAL_TWINS: dict[type, type] = {
     nn.Conv3d: SpatialConv3d,
@@ -162,20 +161,9 @@ def _seed_dropout(module: nn.Module, grid: Grid, seed: int | None) -> None:
         layer.seed(group_seed, rank_seed, grid.device)
 
 
-def _cost_model() -> Any:
-    """The machine figures ``overlap_halo="auto"`` decides with (the calibration, else generic)."""
-    from parallel.plan.machine import Machine
-
-    try:
-        return Machine.load(None)
-    except (OSError, ValueError) as err:
-        log.warning("overlap_halo=auto: %s; using the generic machine figures", err)
-        return Machine()
-
-
 def parallelize(model: nn.Module, grid: Grid, *, sync_batchnorm: bool = False,
-                bucket_mb: float = 25.0, seed: int | None = None, overlap_halo: bool | str | None = None,
-                recompute: bool = False, verify: Probe = None, input_shape: Sequence[int] | None = None,
+                bucket_mb: float = 25.0, seed: int | None = None, overlap_halo: OverlapPolicy = None,
+                recompute: bool = False, input_shape: Sequence[int] | None = None,
                 shard_linear: bool = True, conv_path: str = "shell",
                 conv_window_bytes: int | None = None, channels_last: bool = False) -> ParallelModule:
     """The hybrid-parallel form of ``model`` for ``grid`` (layers converted in place).
@@ -184,10 +172,11 @@ def parallelize(model: nn.Module, grid: Grid, *, sync_batchnorm: bool = False,
     batch); otherwise each data group normalises its own rows, as under DDP. ``seed``
     seeds the dropout streams (default: torch's initial seed on the spatial root).
     ``overlap_halo`` runs convolutions' halo exchanges beside their block's convolution:
-    True, False (the layer's default, None, is off), or ``"auto"``: per layer, where the
-    calibration (``parallel.plan.Machine``: ``scripts/benchmark.py calibrate``, else
-    generic figures) says its messages take longer than handing them to the halo thread
-    (``docs/performance.md``);
+    True, False (the layer's default, None, is off), or a policy each split convolution asks
+    at its first forward, ``policy(layer, shell, input_shape) -> bool`` (``"auto"`` in the
+    public ``parallel.parallelize`` and the training loop is the planner's,
+    ``parallel.plan.overlap_policy``: where the calibration says the messages take longer
+    than handing them to the halo thread; ``docs/performance.md``);
     ``shard_linear``: Flatten+Linear layers keep only their block's columns of the weight
     (``parallel.layers.linear``): the weight, gradient and optimiser state per rank fall by
     the split, and ``state_dict`` gathers the whole weight (a collective over the spatial
@@ -208,14 +197,14 @@ def parallelize(model: nn.Module, grid: Grid, *, sync_batchnorm: bool = False,
     ``channels_last`` lays the activations out NDHWC (``torch.channels_last_3d``): the
     inputs on entry and every convolution's output (``parallel.split.layout``); the halo
     messages, the parameters and ``state_dict`` are the same as without it.
-    ``verify`` (a probe: True for one sized from the network, a shape (N, C, D, H, W), or a
-    global tensor) runs the serial model and the split model once on the probe and raises
-    ``parallel.verify.VerificationError`` naming the first module whose output (or the
-    first parameter whose gradient) differs (``parallel.verify``).
+    The check against the serial model (``verify=``) is the public ``parallel.parallelize``'s,
+    which calls this and then ``parallel.verify``.
     """
     check_path(conv_path, "parallelize")
+    if not (overlap_halo is None or isinstance(overlap_halo, bool) or callable(overlap_halo)):
+        raise ValueError(f"overlap_halo must be True, False or a policy (parallel.plan.overlap_policy), got "
+                         f"{overlap_halo!r}; 'auto' is the public parallel.parallelize's")
     model.to(grid.device)
-    serial = _serial_copy(model) if verify is not None and verify is not False else None
     shapes = ShapeTracker(grid)
     flat: Mapping[str, tuple[int, ...]] = {}
     probe = None  # without input_shape: the serial structure on the meta device, traced at the first forward
@@ -223,7 +212,7 @@ def parallelize(model: nn.Module, grid: Grid, *, sync_batchnorm: bool = False,
         if input_shape is not None:
             flat = flatten_inputs(model, input_shape)
         else:
-            probe = meta_copy(model)
+            probe = structure(model)
     if grid.spatial_size > 1 or sync_batchnorm:
         if grid.spatial_size > 1:
             _check_supported(type(model).__name__, model)
@@ -235,14 +224,12 @@ def parallelize(model: nn.Module, grid: Grid, *, sync_batchnorm: bool = False,
                 model.sync_data = sync_batchnorm
         _convert_children(model, "", grid, shapes, sync_batchnorm)
         _seed_dropout(model, grid, seed)
-        machine = _cost_model() if overlap_halo == "auto" else None
         for m in model.modules():
             if isinstance(m, SpatialConv3d):
                 m.path = conv_path
                 m.window_limit_bytes = conv_window_bytes
                 if overlap_halo is not None:
                     m.overlap = overlap_halo
-                    m.cost_model = machine
     if recompute:
         n_blocks = checkpoint_blocks(model)
         log.debug("recomputing %d blocks in the backward", n_blocks)
@@ -250,8 +237,6 @@ def parallelize(model: nn.Module, grid: Grid, *, sync_batchnorm: bool = False,
         # Start every replica from the same weights, as DDP does.
         for tensor in list(model.parameters()) + list(model.buffers()):
             comm.broadcast_(tensor.data, 0, grid.world_group)
-    if overlap_halo is not None and not isinstance(overlap_halo, bool) and overlap_halo != "auto":
-        raise ValueError(f"overlap_halo must be True, False or 'auto', got {overlap_halo!r}")
     if flat:  # after the broadcast: every rank cuts its columns of the same weight
         shard_linears(model, grid, flat)
     pending = False
@@ -263,10 +248,6 @@ def parallelize(model: nn.Module, grid: Grid, *, sync_batchnorm: bool = False,
     pmodel = ParallelModule(model, grid, shapes, bucket_mb, shape_probe=probe if pending else None)
     if channels_last:
         _lay_out_channels_last(pmodel)
-    if serial is not None:
-        from parallel.verify import verify as run_verify  # loaded on use: most models are not verified
-
-        run_verify(serial, pmodel, None if verify is True else verify)  # type: ignore[arg-type]
     return pmodel
 
 
@@ -283,8 +264,3 @@ def _lay_out_channels_last(pmodel: ParallelModule) -> None:
     for m in pmodel.module.modules():
         if isinstance(m, SpatialMixin) or type(m) in SPATIAL_TWINS:
             m.register_forward_hook(_channels_last_output)
-
-
-def _serial_copy(model: nn.Module) -> nn.Module:
-    """The serial model to verify against (the weights are taken from the split model later)."""
-    return copy.deepcopy(model)

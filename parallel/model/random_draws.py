@@ -20,7 +20,6 @@ streams of their own (``parallel.layers.dropout``) and are not counted.
 
 from __future__ import annotations
 
-import copy
 import logging
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -28,6 +27,8 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from parallel.model.trace import meta_copy, trace
 
 log = logging.getLogger("parallel")
 
@@ -148,11 +149,9 @@ def check_model(model: nn.Module, in_shape: Sequence[int], spatial: Sequence[int
     device: no memory, no compute). ``in_shape`` is one sample's (C, D, H, W). Returns the
     draws seen; a model that does not run on the meta device is let through (verification
     against the serial model still compares its draws)."""
-    from parallel.model.trace import trace
-
     if all(int(s) == 1 for s in spatial):
         return []
-    dry = copy.deepcopy(model).to("meta").train()
+    dry = meta_copy(model).train()
     for m in dry.modules():  # no draws in batch norm; a batch of one would stop its training forward
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
             m.eval()

@@ -3,13 +3,17 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from parallel.plan.local import LocalOp, local_ops, op_key
 from parallel.plan.machine import Machine
 from parallel.model.trace import Layer
+
+log = logging.getLogger("parallel")
 
 
 @dataclass
@@ -242,3 +246,16 @@ def overlap_pays(machine: Machine, conv: Any, shell: Any, x_shape: Sequence[int]
     flops = 2.0 * cin // conv.groups * math.prod(conv.kernel_size) * conv.out_channels * voxels * n
     forward = flops / machine.flops(cin, conv.out_channels, k, voxels * n)
     return min(halo, forward) + min(halo, 2 * forward) > 2 * machine.overlap_overhead
+
+
+def overlap_policy(machine: Machine | None = None) -> Callable[[Any, Any, Sequence[int]], bool]:
+    """``overlap_halo="auto"``, as the policy ``parallelize`` hands each split convolution
+    (asked per geometry at its first forward): ``overlap_pays`` with ``machine``'s figures,
+    by default the calibration (``Machine.load``), else the generic ones with a warning."""
+    if machine is None:
+        try:
+            machine = Machine.load(None)
+        except (OSError, ValueError) as err:
+            log.warning("overlap_halo=auto: %s; using the generic machine figures", err)
+            machine = Machine()
+    return functools.partial(overlap_pays, machine)

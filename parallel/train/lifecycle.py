@@ -25,7 +25,7 @@ from parallel.data.reader import SampleReadError
 from parallel.grid import Grid
 from parallel.runtime.launch import RendezvousError, env_rank
 from parallel.partition import SplitError
-from parallel.train.persist import checkpoint
+from parallel.job import checkpoint
 from parallel.train import elastic
 from parallel.train.checks import ConfigError, InputError, JobChecks, is_auto
 from parallel.job.config import JobConfig

@@ -25,10 +25,11 @@ from parallel.split import layout
 from parallel.grid import Grid
 from parallel.infer import evaluation_due
 from parallel.model.random_draws import stream_seed
-from parallel.train.persist import checkpoint, rng
+from parallel.job import checkpoint
+from parallel.train.persist import rng, writer
 from parallel.train import elastic, stopsignal
 from parallel.train.checks import InputError, JobChecks
-from parallel.train.compiled import compile_model
+from parallel.model.compiled import compile_model
 from parallel.job.config import JobConfig
 from parallel.train.data import build_data, fixed_shapes
 from parallel.train.evaluate import evaluate
@@ -125,8 +126,8 @@ class Trainer:
         self.state = TrainState(self.model, self.optimizer, scaler, self.steps_per_epoch, meta)
         self.progress = self.state.progress
         self.saved_step: int | None = None
-        # -- checkpoints by steps or wall time, written in the background (parallel.train.persist.checkpoint.Writer) --
-        self.writer = checkpoint.Writer(background=cfg.run.checkpoint_background)
+        # -- checkpoints by steps or wall time, written in the background (parallel.train.persist.writer.Writer) --
+        self.writer = writer.Writer(background=cfg.run.checkpoint_background)
         self._saved_t = time.perf_counter()
         self._run_s_before = 0.0  # run seconds of earlier sessions (a resumed run)
         if self.resuming:
@@ -164,7 +165,7 @@ class Trainer:
         run = self.cfg.run
         if run.checkpoint_every and step % run.checkpoint_every == 0:
             return True
-        return run.checkpoint_every_s > 0 and checkpoint.wall_due(self.grid, self._saved_t, run.checkpoint_every_s)
+        return run.checkpoint_every_s > 0 and writer.wall_due(self.grid, self._saved_t, run.checkpoint_every_s)
 
     def _last_good(self) -> str:
         """Which checkpoint a run stopped for non-finite numbers can resume from."""

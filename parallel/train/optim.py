@@ -26,33 +26,6 @@ import torch
 from parallel.job.config import OptimConfig, ScheduleConfig
 
 
-def peak_lr(cfg: OptimConfig, global_batch_size: int) -> float:
-    """The LR after warmup: ``lr``, scaled linearly with the batch if ``lr_scale_batch`` is set."""
-    if cfg.lr_scale_batch:
-        return cfg.lr * global_batch_size / cfg.lr_scale_batch
-    return cfg.lr
-
-
-def check_schedule(sched: ScheduleConfig, optim: OptimConfig, global_batch_size: int) -> None:
-    """Raise ``ValueError`` naming the keys of a schedule that cannot be meant: a warmup
-    whose start is above its peak (it would lower the rate), an offset other than 0 or 1."""
-    if sched.warmup_epochs > 0:
-        peak = peak_lr(optim, global_batch_size)
-        start = optim.lr if sched.warmup_start_lr is None else sched.warmup_start_lr
-        if start > peak:
-            origin = ("optim.lr (sched.warmup_start_lr unset)" if sched.warmup_start_lr is None
-                      else "sched.warmup_start_lr")
-            scaled = (f" = optim.lr={optim.lr} x train.global_batch_size={global_batch_size} / "
-                      f"optim.lr_scale_batch={optim.lr_scale_batch}" if optim.lr_scale_batch else " (optim.lr)")
-            raise ValueError(
-                f"the warmup (sched.warmup_epochs={sched.warmup_epochs}) starts at {origin} = {start:g}, above "
-                f"its peak {peak:g}{scaled}: it would lower the rate. Set sched.warmup_epochs=0, or "
-                f"sched.warmup_start_lr at most {peak:g}")
-    if sched.warmup_epoch_offset not in (0, 1):
-        raise ValueError(f"sched.warmup_epoch_offset={sched.warmup_epoch_offset}: want 0 (CosmoFlow's reference) "
-                         "or 1 (the U-Net's)")
-
-
 class KerasSGD(torch.optim.Optimizer):
     """SGD with the learning rate inside the velocity, as Keras (and NVIDIA's CosmoFlow
     FixedSGD) compute it: v = m v + lr (g + wd p); p -= v, or with Nesterov
@@ -153,7 +126,7 @@ class Schedule:
         if steps_per_epoch < 1:
             raise ValueError(f"steps per epoch must be >= 1, got {steps_per_epoch}")
         self.cfg = cfg
-        self.peak = peak_lr(optim, global_batch_size)
+        self.peak = optim.peak_lr(global_batch_size)
         self.start = optim.lr if cfg.warmup_start_lr is None else cfg.warmup_start_lr
         self.steps_per_epoch = steps_per_epoch
         self.epochs = epochs

@@ -19,7 +19,6 @@ running statistics) and gradients are put back afterwards (random draws: ``paral
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 from typing import Any, Sequence
@@ -36,6 +35,7 @@ from parallel.layers.replicated import is_replicated
 from parallel.split.nested import tensors as _leaves
 from parallel.model.parallel_module import ParallelModule
 from parallel.partition import SplitError
+from parallel.model.trace import hooked, meta_copy, meta_forward
 from parallel.model.random_draws import DrawRecorder, SameStream, check_split_draws
 from parallel.split.scatter import scatter
 from parallel.verify.ops import describe_op
@@ -72,28 +72,22 @@ def _downsampling(model: nn.Module, channels: int, reach: int | Sequence[int]) -
     """Per dim, how much the network shrinks its input (a dry run on the meta device, on a
     volume of ``reach`` voxels per dim, or of the shape ``reach``)."""
     dims = [int(reach)] * 3 if isinstance(reach, int) else [int(r) for r in reach]
-    dry = copy.deepcopy(model).to("meta")
     smallest = list(dims)
-    hooks = []
 
-    def seen(_m: nn.Module, _i: Any, out: Any) -> None:
+    def seen(_name: str, _m: nn.Module, _inputs: Any, out: Any) -> None:
         for t in _leaves(out):
             if t.dim() == 5 and any(s > 1 for s in t.shape[2:]):
                 for a in range(3):
                     smallest[a] = min(smallest[a], max(1, int(t.shape[a + 2])))
 
-    for m in dry.modules():
-        hooks.append(m.register_forward_hook(seen))
     try:
-        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
-        dry(torch.empty(1, channels, *dims, device="meta", dtype=dtype))  # the weights' dtype: fp64 models too
+        dry = meta_copy(model)
+        with hooked(dry, seen):
+            meta_forward(dry, (channels, *dims))  # in the weights' dtype: fp64 models too
     except Exception as err:  # noqa: BLE001 - any failure means: ask the user for the probe
         raise ValueError(f"could not size a probe for {type(model).__name__} from a dry run on a "
                          f"{'x'.join(map(str, dims))} volume ({type(err).__name__}: {err}); pass a probe shape "
                          "(N, C, D, H, W) that the network accepts") from err
-    finally:
-        for h in hooks:
-            h.remove()
     return [2 ** math.ceil(math.log2(n / s)) for n, s in zip(dims, smallest)]
 
 

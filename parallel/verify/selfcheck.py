@@ -31,8 +31,11 @@ from typing import Iterator
 import torch
 from torch import nn
 
-import parallel
+from parallel.grid import Grid
 from parallel.layers.linear import whole
+from parallel.model.parallelize import parallelize
+from parallel.runtime.launch import destroy, init
+from parallel.split.scatter import gather, scatter
 
 
 class EveryLayer(nn.Module):
@@ -88,7 +91,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @contextlib.contextmanager
 def _arithmetic(precision: str, device: torch.device) -> Iterator[None]:
     """Autocast for bf16/fp16; nothing otherwise (fp64 is the tensors' dtype, tf32 a flag
-    set by ``parallel.init``)."""
+    set by ``init``)."""
     if precision in ("bf16", "fp16"):
         dtype = torch.bfloat16 if precision == "bf16" else torch.float16
         with torch.autocast(device.type, dtype=dtype):
@@ -97,7 +100,7 @@ def _arithmetic(precision: str, device: torch.device) -> Iterator[None]:
         yield
 
 
-def run(grid: parallel.Grid, batch: int = 4, size: int = 12, seed: int = 0, precision: str = "fp32") -> dict:
+def run(grid: Grid, batch: int = 4, size: int = 12, seed: int = 0, precision: str = "fp32") -> dict:
     """Compare the parallel model with the serial one on this grid; returns the report.
 
     The serial loss is a mean over the global batch; each data group's loss is the mean
@@ -123,17 +126,17 @@ def run(grid: parallel.Grid, batch: int = 4, size: int = 12, seed: int = 0, prec
         seg_ref, vec_ref = serial(xs)
     (((seg_ref.to(dtype) * seg_target).sum() + (vec_ref.to(dtype) * vec_target).sum()) / batch).backward()
 
-    pmodel = parallel.parallelize(model, grid, sync_batchnorm=True)
-    xl = parallel.scatter(x, grid).requires_grad_(True)
+    pmodel = parallelize(model, grid, sync_batchnorm=True)
+    xl = scatter(x, grid).requires_grad_(True)
     with _arithmetic(precision, grid.device):
         seg, vec = pmodel(xl)
     seg, vec = seg.to(dtype), vec.to(dtype)
     r0, r1 = grid.batch_range(batch)
     rows = r1 - r0
-    (((seg * parallel.scatter(seg_target, grid)).sum() + (vec * vec_target[r0:r1]).sum()) / rows).backward()
+    (((seg * scatter(seg_target, grid)).sum() + (vec * vec_target[r0:r1]).sum()) / rows).backward()
 
-    seg_all, vec_all = parallel.gather(seg.detach(), grid), parallel.gather(vec.detach(), grid)
-    grad_x = parallel.gather(xl.grad, grid) * (rows / batch)  # each group's loss is a mean over its rows
+    seg_all, vec_all = gather(seg.detach(), grid), gather(vec.detach(), grid)
+    grad_x = gather(xl.grad, grid) * (rows / batch)  # each group's loss is a mean over its rows
     diffs = {"segmentation": _rel(seg_all, seg_ref.detach()), "vector": _rel(vec_all, vec_ref.detach()),
              "input grad": _rel(grad_x, xs.grad)}
     serial_grads = dict(serial.named_parameters())
@@ -167,13 +170,13 @@ def main(argv: list[str] | None = None) -> int:
                          + ", ".join(f"{k} {v:g}" for k, v in TOLERANCE.items()) + ")")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    grid = parallel.init(spatial=args.spatial, timeout_s=120, tf32=args.precision == "tf32")
+    grid = init(spatial=args.spatial, timeout_s=120, tf32=args.precision == "tf32")
     try:
         report = run(grid, batch=args.batch, size=args.size, precision=args.precision)
     except BaseException:
-        parallel.destroy(sync=False)  # the others may not get as far as destroy()
+        destroy(sync=False)  # the others may not get as far as destroy()
         raise
-    parallel.destroy()
+    destroy()
     tolerance = TOLERANCE[args.precision] if args.tolerance is None else args.tolerance
     report["tolerance"] = tolerance
     report["ok"] = report["max_rel_diff"] <= tolerance

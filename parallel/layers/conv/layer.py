@@ -49,16 +49,15 @@ class SpatialConv3d(SpatialMixin, nn.Conv3d):
     The block is convolved in place and the halos' contributions added to the rows that
     read them (``parallel.layers.conv.shell``): no copy of the block into a window, forward
     or backward. ``overlap`` runs the halo exchange beside the block's convolution (and the
-    halo gradients' beside its backward): True, False, or ``"auto"`` (decided per layer at
-    its first forward from ``cost_model``, a ``parallel.plan.Machine``: overlapped where the
-    messages take longer than handing them to the halo thread; ``parallelize(...,
-    overlap_halo="auto")`` sets both).
+    halo gradients' beside its backward): True, False, or a policy asked per geometry at the
+    layer's first forward, ``policy(layer, shell, input_shape) -> bool`` (the planner's
+    ``overlap_halo="auto"``, ``parallel.plan.overlap_policy``: overlapped where the messages
+    take longer than handing them to the halo thread), handed down by ``parallelize``.
     """
 
-    overlap: bool | str = False
-    cost_model: Any = None
+    overlap: bool | Callable[[Any, ShellGeometry, tuple[int, ...]], bool] = False
     overlap_chosen: bool | None = None
-    """What ``overlap`` came to at the last geometry (``"auto"`` resolved), for reports."""
+    """What ``overlap`` came to at the last geometry (a policy's answer), for reports."""
     path: str = "shell"
     """``"shell"``, ``"window"`` or ``"auto"`` (timed at the first forward per geometry):
     ``parallel.layers.conv.paths``; the overlapped exchange and a hooked layer fix the path."""
@@ -112,13 +111,9 @@ class SpatialConv3d(SpatialMixin, nn.Conv3d):
         return tuple(pads), plans, shell, overlap
 
     def _overlap(self, shell: ShellGeometry, x: torch.Tensor) -> bool:
-        if self.overlap != "auto":
-            return bool(self.overlap)
-        if self.cost_model is None:
-            return False
-        from parallel.plan.cost import overlap_pays
-
-        return overlap_pays(self.cost_model, self, shell, tuple(x.shape))
+        if callable(self.overlap):
+            return bool(self.overlap(self, shell, tuple(x.shape)))
+        return bool(self.overlap)
 
     def _path(self, x: torch.Tensor, pads: tuple[int, ...], plans: list[ExchangePlan | None],
               shell: ShellGeometry | None, overlap: bool) -> str:

@@ -27,7 +27,7 @@ from parallel.grid import Grid
 from parallel.model.parallel_module import ParallelModule
 from parallel.train.checks import verify as split_check
 from parallel.train.checks.config import check_world, is_auto, train_volume, validate_config, window
-from parallel.train.checks.errors import MAX_LISTED, ConfigError, InputError, quote_problems
+from parallel.job.errors import MAX_LISTED, ConfigError, InputError, quote_problems
 from parallel.train.checks.fit import Strides, check_cases, check_model, meta_trace
 from parallel.train.checks.samples import SampleFacts, check_data, read_facts
 from parallel.job.config import JobConfig

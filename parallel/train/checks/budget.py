@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parallel.train.checks.errors import InputError
+from parallel.job.errors import InputError
 
 log = logging.getLogger("parallel.train")
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from parallel.train.checks.errors import ConfigError
-from parallel.job.config import JobConfig
+from parallel.job.errors import ConfigError
+from parallel.job.config import JobConfig, OptimConfig, ScheduleConfig
 
 Shape = tuple[int, int, int]
 
@@ -51,8 +51,6 @@ def validate_config(cfg: JobConfig) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
-    from parallel.train.optim import check_schedule
-
     try:
         check_schedule(cfg.sched, cfg.optim, cfg.train.global_batch_size)
     except ValueError as err:
@@ -60,7 +58,7 @@ def validate_config(cfg: JobConfig) -> None:
     _validate_crop_and_eval(cfg)
     import torch
 
-    from parallel.train.compiled import refusal
+    from parallel.model.compiled import refusal
 
     gpu = cfg.parallel.backend == "nccl" or (cfg.parallel.backend is None and torch.cuda.is_available())
     why = refusal(cfg.train.compile, str(cfg.optim.name), "cuda" if gpu else "cpu")
@@ -68,6 +66,26 @@ def validate_config(cfg: JobConfig) -> None:
         raise ConfigError(why)
     if str(cfg.optim.name) == "kfac":
         _validate_kfac(cfg)
+
+
+def check_schedule(sched: ScheduleConfig, optim: OptimConfig, global_batch_size: int) -> None:
+    """Raise ``ValueError`` naming the keys of a schedule that cannot be meant: a warmup
+    whose start is above its peak (it would lower the rate), an offset other than 0 or 1."""
+    if sched.warmup_epochs > 0:
+        peak = optim.peak_lr(global_batch_size)
+        start = optim.lr if sched.warmup_start_lr is None else sched.warmup_start_lr
+        if start > peak:
+            origin = ("optim.lr (sched.warmup_start_lr unset)" if sched.warmup_start_lr is None
+                      else "sched.warmup_start_lr")
+            scaled = (f" = optim.lr={optim.lr} x train.global_batch_size={global_batch_size} / "
+                      f"optim.lr_scale_batch={optim.lr_scale_batch}" if optim.lr_scale_batch else " (optim.lr)")
+            raise ValueError(
+                f"the warmup (sched.warmup_epochs={sched.warmup_epochs}) starts at {origin} = {start:g}, above "
+                f"its peak {peak:g}{scaled}: it would lower the rate. Set sched.warmup_epochs=0, or "
+                f"sched.warmup_start_lr at most {peak:g}")
+    if sched.warmup_epoch_offset not in (0, 1):
+        raise ValueError(f"sched.warmup_epoch_offset={sched.warmup_epoch_offset}: want 0 (CosmoFlow's reference) "
+                         "or 1 (the U-Net's)")
 
 
 def _validate_crop_and_eval(cfg: JobConfig) -> None:

@@ -33,10 +33,10 @@ import torch
 
 from parallel.grid import Grid
 from parallel.partition import DIM_NAMES, SplitError, block_bounds
-from parallel.model.trace import Layer, trace
+from parallel.model.trace import Layer, hooked, is_leaf, trace
 from parallel.model.random_draws import check_model as check_random_draws
 from parallel.train.checks.config import Shape, train_volume, window
-from parallel.train.checks.errors import InputError, quote_problems
+from parallel.job.errors import InputError, quote_problems
 from parallel.job.config import JobConfig
 from parallel.job.family import Family
 from parallel.job.usermodel import check_user_model, is_user_model
@@ -75,11 +75,10 @@ def meta_trace(family: Family, model_cfg: Any, volume: Sequence[int], channels: 
         model = meta_model(family, model_cfg, volume)
     where = f"a volume of {list(volume)}"
     entered: list[tuple[str, torch.nn.Module, tuple[int, ...]]] = []
-    hooks = [m.register_forward_pre_hook(_norm_check(name, where, local_batch, entered))
-             for name, m in model.named_modules() if not list(m.children())]
     model.eval()  # a batch of one on the tracer: batch norm's own check is the pre-hook's, per rank's batch
     try:
-        return trace(model, (channels, *volume))
+        with hooked(model, _norm_check(where, local_batch, entered), is_leaf, pre=True):
+            return trace(model, (channels, *volume))
     except InputError:
         raise
     except (NotImplementedError, RuntimeError, ValueError) as err:
@@ -92,9 +91,6 @@ def meta_trace(family: Family, model_cfg: Any, volume: Sequence[int], channels: 
                              f"{'x'.join(map(str, shape))} voxels (C x D x H x W, per sample) at {where}: "
                              f"{str(err).splitlines()[0]}; use a larger volume or a shallower model") from err
         raise InputError(f"the model ({family.name}, model config {model_cfg}) cannot run on {where}: {err}") from err
-    finally:
-        for h in hooks:
-            h.remove()
 
 
 def check_model(family: Family, model_cfg: Any, volume: Sequence[int], channels: int, grid: Grid,
@@ -255,11 +251,11 @@ def _sliding(cfg: JobConfig, grid: Grid, strides: Strides, val: Cases) -> list[s
     return problems
 
 
-def _norm_check(name: str, where: str, local_batch: int | None, entered: list) -> Any:
-    """A forward pre-hook that notes the layer entered and refuses a norm layer whose
-    statistics would span one value per channel (torch raises at the first training step)."""
+def _norm_check(where: str, local_batch: int | None, entered: list) -> Any:
+    """A forward pre-hook (``hooked``) that notes the layer entered and refuses a norm layer
+    whose statistics would span one value per channel (torch raises at the first training step)."""
 
-    def hook(module: torch.nn.Module, args: tuple) -> None:
+    def hook(name: str, module: torch.nn.Module, args: tuple) -> None:
         x = next((a for a in args if isinstance(a, torch.Tensor)), None)
         if x is None:
             return

@@ -27,7 +27,7 @@ from parallel.data.check import check_file
 from parallel.data.format import SampleSpec, read_manifest, sample_files
 from parallel.grid import Grid
 from parallel.partition import SplitError
-from parallel.train.checks.errors import InputError, quote_problems
+from parallel.job.errors import InputError, quote_problems
 from parallel.train.checks.fit import weights_depend_on_volume
 from parallel.job.config import JobConfig
 from parallel.job.family import Family

@@ -29,8 +29,9 @@ from torch import nn
 
 from parallel.grid import Grid
 from parallel.model.parallel_module import ParallelModule
-from parallel.train.checks.errors import InputError
+from parallel.job.errors import InputError
 from parallel.job.usermodel import is_user_model
+from parallel.model.trace import meta_copy, meta_forward
 from parallel.verify import VerificationError, custom_forwards, probe_shape, verify
 
 log = logging.getLogger("parallel.train")
@@ -68,11 +69,10 @@ def serial_copy(cfg: Any, model: nn.Module, grid: Grid) -> nn.Module | None:
 
 
 def _accepts(model: nn.Module, shape: Sequence[int]) -> bool:
-    """Whether the network runs on one sample of ``shape`` (a dry run on the meta device)."""
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
-    try:  # in the weights' dtype: a float32 probe of a float64 model (train.precision=fp64) fails on its type
-        with torch.no_grad():
-            copy.deepcopy(model).to("meta")(torch.empty(1, *shape[1:], device="meta", dtype=dtype))
+    """Whether the network runs on one sample of ``shape`` (a dry run on the meta device, in
+    the weights' dtype: a float32 probe of a float64 model, train.precision=fp64, fails on its type)."""
+    try:
+        meta_forward(meta_copy(model), tuple(shape[1:]))
     except Exception:  # noqa: BLE001 - any failure: not this probe
         return False
     return True

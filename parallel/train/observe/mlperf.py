@@ -108,12 +108,10 @@ def log_submission(ml: MLPerfLog, cfg: JobConfig, grid: Grid, benchmark: str, n_
     training = usage(cfg) == "training"
     ml.event("gradient_accumulation_steps" if training else "gradient_accumulation_frequency", cfg.train.accum_steps)
     ml.event(c.OPT_NAME, cfg.optim.name)
-    from parallel.train.optim import peak_lr
-
-    ml.event(c.OPT_BASE_LR, peak_lr(cfg.optim, cfg.train.global_batch_size))
+    ml.event(c.OPT_BASE_LR, cfg.optim.peak_lr(cfg.train.global_batch_size))
     ml.event(c.OPT_LR_WARMUP_EPOCHS, cfg.sched.warmup_epochs)
     start = cfg.optim.lr if cfg.sched.warmup_start_lr is None else cfg.sched.warmup_start_lr
-    peak = peak_lr(cfg.optim, cfg.train.global_batch_size)
+    peak = cfg.optim.peak_lr(cfg.train.global_batch_size)
     ml.event("opt_learning_rate_warmup_factor", peak / start if start > 0 else 0.0)
     ml.event("opt_learning_rate_decay_boundary_epochs", list(cfg.sched.decay_epochs))
     ml.event("opt_learning_rate_decay_factor", list(cfg.sched.decay_factors))

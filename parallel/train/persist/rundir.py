@@ -25,7 +25,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from parallel.train.checks import InputError
+from parallel.job.errors import InputError
 
 log = logging.getLogger("parallel.train")
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from parallel.data.loader import StepStats
 from parallel.grid import Grid
-from parallel.train.persist import checkpoint
+from parallel.job import checkpoint
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The errors of a job's checks, and how a list of problems is quoted.
+"""A job refused before training: its errors, and how a list of problems is quoted.
 
 Every check raises ``InputError`` (or a subclass) alike on every rank (``collective``),
 so that only rank 0 reports it and every rank ends with exit status 2
