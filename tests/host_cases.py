@@ -69,14 +69,16 @@ def noise_is_stopped_by_verify(grid: Grid) -> str:
 
 
 def audited_steps(grid: Grid, family: str, data_dir: str, run_dir: str, overrides: list[str]) -> list[dict]:
-    """Train through the Trainer's real loop (``fit``) with its ``TrainStep`` audited: each
-    step's collectives and host reads (tests/step_audit.py)."""
+    """Train through the job's real loop (``build_job(...).run()``) with its ``TrainStep``
+    audited: each step's collectives and host reads (tests/step_audit.py)."""
     from hydra import compose, initialize_config_dir
 
     from parallel.train.cli import CONFIG_ROOT, register
     from parallel.job.config import to_dataclass
     from parallel.job.family import get
-    from parallel.train.loop import Trainer
+    from parallel.train.checks import before_grid
+    from parallel.train.job import build_job
+    from parallel.train.persist.writer import Writer
     from step_audit import AuditedStep
 
     fam = get(family)
@@ -85,8 +87,8 @@ def audited_steps(grid: Grid, family: str, data_dir: str, run_dir: str, override
         cfg = to_dataclass(compose(config_name="quickstart", overrides=[
             f"data.dir={data_dir}", f"run.dir={run_dir}", f"parallel.spatial={list(grid.spatial)}", *overrides]),
             fam.config_class)
-    trainer = Trainer(cfg, fam, grid)
-    audited = AuditedStep(trainer.train_step)
-    trainer.train_step = audited  # type: ignore[assignment]
-    trainer.fit()
+    job = build_job(cfg, fam, grid, before_grid(cfg, fam), Writer(background=False))
+    audited = AuditedStep(job.loop.step)
+    job.loop.step = audited  # type: ignore[assignment]
+    job.run()
     return audited.per_step

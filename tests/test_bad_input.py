@@ -29,7 +29,10 @@ from parallel.grid import Grid
 from parallel.train.cli import CONFIG_ROOT, register
 from parallel.job.config import UnknownKeyError, to_dataclass
 from parallel.train.data import CheckedDataset
-from parallel.train.checks import ConfigError, InputError, check_data, check_model, check_world, validate_config
+from parallel.train.checks.config import validate_config
+from parallel.train.checks.fit import check_model
+from parallel.train.checks.samples import check_data
+from parallel.job.errors import ConfigError, InputError
 from train_helpers import BIN, REPO, env, prepare, python_m
 
 SIZE = 8
@@ -75,7 +78,7 @@ def good(tmp_path):
 
 def _fails(job: CosmoFlowJob, *patterns: str, grid: Grid = SERIAL) -> str:
     with pytest.raises(InputError) as info:
-        check_data(job, COSMO, grid)
+        check_data(job.data, job.model, COSMO, grid)
     text = str(info.value)
     for p in patterns:
         assert re.search(p, text), f"{p!r} not in:\n{text}"
@@ -83,7 +86,8 @@ def _fails(job: CosmoFlowJob, *patterns: str, grid: Grid = SERIAL) -> str:
 
 
 def test_a_good_set_passes(good):
-    assert check_data(_job(good), COSMO, SERIAL).volume == (SIZE, SIZE, SIZE)
+    job = _job(good)
+    assert check_data(job.data, job.model, COSMO, SERIAL).volume == (SIZE, SIZE, SIZE)
 
 
 def test_missing_or_unusable_data_dir(tmp_path, good):
@@ -187,7 +191,8 @@ def test_deep_check_reads_voxels(good):
     volume = np.zeros((1, 4, SIZE, SIZE, SIZE), np.int16)
     volume[0, 1, 2, 3, 4] = -5
     _rewrite(path, volume=volume)
-    assert check_data(_job(good), COSMO, SERIAL)  # quick: voxels are not read
+    job = _job(good)
+    assert check_data(job.data, job.model, COSMO, SERIAL)  # quick: voxels are not read
     _fails(_job(good, check="deep"), re.escape(str(path)) + r": field 'volume' has 1 values outside \[0, 32767\]")
 
 
@@ -229,7 +234,6 @@ def test_model_strides_the_grid_cannot_split():
 def test_norm_layers_left_with_one_voxel_and_kernels_beyond_the_volume():
     from torch import nn
 
-    from parallel.job.config import TrainConfig
     from parallel.job.family import model_config
     from unet3d.family import FAMILY as UNET
 
@@ -238,13 +242,13 @@ def test_norm_layers_left_with_one_voxel_and_kernels_beyond_the_volume():
         with pytest.raises(InputError, match=r"layer 'down\.4\.0\.1' \(InstanceNorm3d\) normalises each channel over "
                                              r"its 1x1x1 voxel\(s\) at a volume of \[32, 32, 32\]: instance norm needs "
                                              r"more than one"):
-            check_model(UNET, deep, (32, 32, 32), 1, grid, TrainConfig())
-    check_model(UNET, deep, (64, 64, 64), 1, SERIAL, TrainConfig())  # 2^3 at the bottleneck: fine
+            check_model(UNET, deep, (32, 32, 32), 1, grid, local_batch=64 // grid.data_size)
+    check_model(UNET, deep, (64, 64, 64), 1, SERIAL, local_batch=64)  # 2^3 at the bottleneck: fine
     batch = model_config(UNET, ["model.norm=batch"])
-    check_model(UNET, batch, (32, 32, 32), 1, SERIAL, TrainConfig(global_batch_size=2))  # 2 samples per rank
+    check_model(UNET, batch, (32, 32, 32), 1, SERIAL, local_batch=2)  # 2 samples per rank
     with pytest.raises(InputError, match=r"\(BatchNorm3d\) normalises each channel over 1x1x1 voxel\(s\) x 1 "
                                          r"sample\(s\) per rank .* train\.global_batch_size"):
-        check_model(UNET, batch, (32, 32, 32), 1, Grid((1, 1, 1), 2, 0), TrainConfig(global_batch_size=2))
+        check_model(UNET, batch, (32, 32, 32), 1, Grid((1, 1, 1), 2, 0), local_batch=1)  # 2 over 2 data groups
 
     class Wide(nn.Module):  # a kernel wider than what reaches it: torch's own check, named by layer
         def __init__(self) -> None:
@@ -264,9 +268,6 @@ def test_norm_layers_left_with_one_voxel_and_kernels_beyond_the_volume():
 
 
 def test_world_size_the_grid_does_not_divide():
-    check_world([2, 2, 1], 8)
-    with pytest.raises(ConfigError, match=r"parallel\.spatial=\[2,2,1\] needs a multiple of 4 ranks, the job has 6"):
-        check_world([2, 2, 1], 6)
     with pytest.raises(ValueError, match=r"world size 3 is not a multiple of the spatial group size 2x1x1 = 2"):
         Grid((2, 1, 1), 3, 0)
 

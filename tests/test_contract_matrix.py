@@ -247,7 +247,7 @@ def test_the_global_norm_of_one_process_is_torchs_and_clipping_scales_as_torch_d
 
 @pytest.mark.unit
 def test_the_loss_scaler_keeps_torchs_rules_and_state_dict():
-    from parallel.train.scaler import LossScaler
+    from parallel.train.precision import LossScaler
 
     s = LossScaler(growth_interval=2)
     s.update(True)

@@ -211,13 +211,10 @@ def test_a_data_axis_that_does_not_divide_the_global_batch_stops_with_the_number
 def test_a_restart_resumes_on_its_own(monkeypatch):
     from types import SimpleNamespace
 
-    cfg = SimpleNamespace(train=SimpleNamespace(resume=False), run=SimpleNamespace(dir="x"))
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    elastic.prepare(cfg)
-    assert cfg.train.resume is False
+    assert elastic.resumes(False, "x") is False
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    elastic.prepare(cfg)
-    assert cfg.train.resume is True
+    assert elastic.resumes(False, "x") is True
 
 
 # -- asynchronous checkpoints ------------------------------------------------------------------------------------
@@ -258,7 +255,7 @@ def test_the_background_writer_writes_a_copy_taken_at_the_save(tmp_path):
 def test_a_restart_keeps_the_split_while_it_divides_the_world_else_chooses_as_auto(monkeypatch):
     from types import SimpleNamespace
 
-    cfg = SimpleNamespace(parallel=SimpleNamespace(spatial=[2, 1, 1]))
+    spatial = [2, 1, 1]
     asked = []
 
     def auto(world):
@@ -266,9 +263,9 @@ def test_a_restart_keeps_the_split_while_it_divides_the_world_else_chooses_as_au
         return [1, 1, 1]
 
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    assert elastic.spatial_choice(cfg, auto) == [2, 1, 1]  # a first start: the config as it is
+    assert elastic.spatial_choice(spatial, auto) == [2, 1, 1]  # a first start: the config as it is
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
-    choose = elastic.spatial_choice(cfg, auto)
+    choose = elastic.spatial_choice(spatial, auto)
     assert list(choose(SimpleNamespace(world_size=2))) == [2, 1, 1] and asked == []
     assert list(choose(SimpleNamespace(world_size=3))) == [1, 1, 1] and asked == [3]
 
@@ -290,22 +287,20 @@ def test_regrid_records_each_session_and_refuses_what_cannot_continue(tmp_path, 
     from types import SimpleNamespace
 
     def job(accum: int = 1):
-        return SimpleNamespace(run=SimpleNamespace(dir=str(tmp_path)),
-                               train=SimpleNamespace(global_batch_size=4, accum_steps=accum))
+        return SimpleNamespace(global_batch_size=4, accum_steps=accum)
 
     def grid(world: int, data: int):  # rank 0 of a world that needs no collective to agree
         return SimpleNamespace(launcher="torchrun", rank=0, world_size=1, data_size=data, spatial=(world // data, 1, 1))
 
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    cfg = job()
-    assert elastic.regrid(cfg, grid(4, 2)).micro_batch == 2 and cfg.train.accum_steps == 1
+    first = elastic.regrid(job(), str(tmp_path), grid(4, 2))
+    assert first.micro_batch == 2 and first.current.accum_steps == 1
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    cfg = job()
-    state = elastic.regrid(cfg, grid(2, 1))
-    assert cfg.train.accum_steps == 2 and [s.data for s in state.sessions] == [2, 1]
+    state = elastic.regrid(job(), str(tmp_path), grid(2, 1))
+    assert state.current.accum_steps == 2 and [s.data for s in state.sessions] == [2, 1]
     assert state.event(6)["from"]["data"] == 2 and state.event(6)["step"] == 6
     with pytest.raises(elastic.ElasticError, match=r"global_batch_size=4 cannot be split over 3 data groups"):
-        elastic.regrid(job(), grid(3, 3))
+        elastic.regrid(job(), str(tmp_path), grid(3, 3))
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")  # not elastic: nothing recorded
-    assert elastic.regrid(job(), grid(2, 1)) is None
+    assert elastic.regrid(job(), str(tmp_path), grid(2, 1)) is None

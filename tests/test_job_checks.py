@@ -1,5 +1,7 @@
-"""The checks of a job run as one pass, in order: validate -> samples -> fit -> verify
-(``parallel.train.checks.JobChecks``), on real sample files."""
+"""The checks of a job, in the order ``train()`` calls them (``parallel.train.checks``),
+on real sample files: ``before_grid`` (no process group: the config's values, the sample
+facts, the network at its volume) -> ``on_grid`` (every file, every case against the
+network and the split)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from cosmoflow.fields import SPEC
 from cosmoflow.model import CosmoFlowConfig
 from parallel.data.format import write_manifest, write_samples
 from parallel.grid import Grid
-from parallel.train.checks import PHASES, ConfigError, InputError, JobChecks
+from parallel.train.checks import ConfigError, InputError, before_grid, on_grid
 
 SERIAL = Grid((1, 1, 1), 1, 0)
 
@@ -37,49 +39,33 @@ def job(tmp_path: Path) -> CosmoFlowJob:
     return job
 
 
-def test_the_phases_run_once_each_in_order(job):
-    checks = JobChecks(job, COSMO)
-    checks.validate()
-    facts = checks.samples(SERIAL)
-    assert facts.volume == (16, 16, 16) and len(facts.train_shapes) == 2 and len(facts.val_shapes) == 1
-    assert checks.fit(SERIAL) == (16, 16, 16)
-    built = []
-    model = COSMO.build_model(job.model, (16, 16, 16))
-    assert checks.verify(model, lambda: built.append(1) or model, SERIAL) is model and built == [1]
-    assert checks.done == list(PHASES)
-    with pytest.raises(RuntimeError, match=r"'validate' called after \['validate', 'samples', 'fit', 'verify'\]"):
-        checks.validate()
+def test_the_plan_before_the_grid_then_every_case_on_it(job):
+    plan = before_grid(job, COSMO)  # one file read: the facts; no case shapes yet
+    assert plan.volume == (16, 16, 16) and plan.facts.channels == 4 and plan.facts.train_shapes == ()
+    plan = on_grid(plan, job, COSMO, SERIAL)
+    assert len(plan.facts.train_shapes) == 2 and len(plan.facts.val_shapes) == 1
+    assert plan.volume == (16, 16, 16)
 
 
-@pytest.mark.parametrize("skipped", PHASES[:3])
-def test_a_phase_out_of_order_is_refused(job, skipped):
-    checks = JobChecks(job, COSMO)
-    run = {"validate": checks.validate, "samples": lambda: checks.samples(SERIAL),
-           "fit": lambda: checks.fit(SERIAL)}
-    for phase in PHASES[:PHASES.index(skipped)]:
-        run[phase]()
-    after = PHASES[PHASES.index(skipped) + 1]
-    with pytest.raises(RuntimeError, match=f"'{after}' called after .* the order is validate -> samples -> fit"):
-        (run | {"verify": lambda: checks.verify(None, lambda: None, SERIAL)})[after]()  # type: ignore[arg-type]
-
-
-def test_each_phase_raises_the_jobs_input_errors(job, tmp_path):
+def test_each_check_raises_the_jobs_input_errors(job, tmp_path):
     job.train.accum_steps = 0
     with pytest.raises(ConfigError, match=r"train\.accum_steps=0: want >= 1"):
-        JobChecks(job, COSMO).validate()
+        before_grid(job, COSMO)
     job.train.accum_steps = 1
     (tmp_path / "val" / "s0.h5").write_bytes(b"not hdf5")
-    checks = JobChecks(job, COSMO)
-    checks.validate()
+    plan = before_grid(job, COSMO)  # the first training file is fine: nothing else is read yet
     with pytest.raises(InputError, match=r"(?s)1 problem\(s\) in the sample files .*val/s0\.h5: cannot open as HDF5"):
-        checks.samples(SERIAL)
+        on_grid(plan, job, COSMO, SERIAL)
+    job.model = CosmoFlowConfig(conv_filters=4, n_conv_blocks=5, dense_sizes=[8])  # 16 -> 0 after 5 poolings
+    with pytest.raises(InputError, match=r"cosmoflow model: .*"):
+        before_grid(job, COSMO)  # the network against its volume: before any process group
 
 
 def test_one_meta_trace_names_the_layer_for_crops_and_whole_cases():
     """Crops, windows and whole cases go through the one meta-device trace (``meta_trace``)
     that ``check_model`` uses: the same layer is named the same way for each."""
-    from parallel.train.checks import check_cases
     from parallel.job.family import model_config
+    from parallel.train.checks import check_cases
     from unet3d.family import FAMILY as UNET, UNet3DJob
 
     job = UNet3DJob()

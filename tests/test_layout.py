@@ -155,7 +155,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("parallel.plan",),                         # the cost model, its choice of split and its command line
     ("parallel",),                              # the public API (parallel/__init__.py) and its entry points
     ("parallel.infer",),                        # whole cases: sliding window, evaluation, prediction
-    ("parallel.train.checks", "parallel.train.persist", "parallel.train.observe"),
+    ("parallel.train.checks", "parallel.train.persist"),  # before the first step | what a run keeps
+    ("parallel.train.observe",),                # what a run tells and keeps as it goes: its observers
     ("parallel.train",),                        # the loop, the step and the job's start and end
     ("parallel.train.cli",),                    # Hydra's command line
     ("parallel.bench",),                        # measurements of this machine
@@ -231,22 +232,80 @@ def _function(path: Path, name: str) -> ast.AST:
                 if isinstance(n, ast.FunctionDef) and n.name == name)
 
 
-@pytest.mark.unit
-def test_the_jobs_checks_run_in_one_pass_from_train():
-    """``train()`` reaches the checks only through ``JobChecks``, whose phases run in order:
-    validate in ``train()``, then samples -> fit -> verify in the trainer it starts."""
-    lifecycle = REPO / "parallel" / "train" / "lifecycle.py"
-    loop = REPO / "parallel" / "train" / "loop.py"
-    pkg = "parallel.train.checks"
-    assert _imported_from(lifecycle, pkg) == {f"{pkg}:{n}" for n in ("ConfigError", "InputError", "JobChecks",
-                                                                     "is_auto")}
-    assert _imported_from(loop, pkg) == {f"{pkg}:InputError", f"{pkg}:JobChecks"}
-    assert _calls_on(_function(lifecycle, "train"), "checks") == ["validate", "read_facts"]
-    trainer = _function(loop, "__init__")
-    assert _calls_on(trainer, "checks") == ["validate", "samples", "fit", "verify"]  # validate: only without one
-    from parallel.train.checks import PHASES
+def _called(func: ast.AST) -> list[str]:
+    """The names a function calls (``f(...)``, ``x.f(...)``), in source order."""
+    calls = [n for n in ast.walk(func) if isinstance(n, ast.Call)]
+    names = [getattr(c.func, "id", getattr(c.func, "attr", "")) for c in sorted(
+        calls, key=lambda c: (c.lineno, c.col_offset))]
+    return [n for n in names if n]
 
-    assert PHASES == ("validate", "samples", "fit", "verify")
+
+def _in_order(names: list[str], wanted: list[str]) -> bool:
+    it = iter(names)
+    return all(w in it for w in wanted)
+
+
+@pytest.mark.unit
+def test_the_start_up_path_goes_down_in_plain_calls():
+    """``train()`` and the job it builds read top to bottom: the checks without a process
+    group, the grid, the run directory, the job; on the grid the files and cases, then the
+    model built, converted and checked against serial in plain calls (no callable builds it
+    inside a check), then the loop, which gets built parts."""
+    train_dir = REPO / "parallel" / "train"
+    train = _called(_function(train_dir / "lifecycle.py", "train"))
+    assert _in_order(train, ["_before_grid", "_start_grid", "_settle_run_dir", "regrid", "_start_watchdog",
+                             "run_job"]), train
+    build = _called(_function(train_dir / "job.py", "build_job"))
+    assert _in_order(build, ["on_grid", "start", "_read_resume", "save_config", "build_data", "_build_model",
+                             "_optimizer", "TrainState", "load_state_dict", "TrainStep", "Observers", "Loop"]), build
+    model = _called(_function(train_dir / "job.py", "_build_model"))
+    assert _in_order(model, ["build_model", "serial_copy", "parallelize", "run", "compile_model"]), model
+    tree = ast.parse((train_dir / "job.py").read_text(encoding="utf-8"))
+    lambdas_into_checks = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") in
+                           ("run", "serial_copy", "on_grid") and any(isinstance(a, ast.Lambda) for a in n.args)]
+    assert not lambdas_into_checks
+
+
+@pytest.mark.unit
+def test_the_loop_gets_built_parts_and_stays_short():
+    """The loop never sees the job config or the checks, decides the run's end in one place
+    (``Ending``), and ``fit`` with the methods it runs fits on one screen."""
+    loop = REPO / "parallel" / "train" / "loop.py"
+    imported = {name.split(":")[0] for name in _imported_from(loop, "parallel.job.config")} | \
+        _imported_from(loop, "parallel.train.checks")
+    assert not imported, imported
+    tree = ast.parse(loop.read_text(encoding="utf-8"))
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "Loop")
+    methods = {n.name: n.end_lineno - n.lineno + 1 for n in cls.body if isinstance(n, ast.FunctionDef)}  # type: ignore
+    running = sum(v for k, v in methods.items() if k != "__init__")
+    assert {"fit", "_epoch", "_step", "_evaluate"} <= methods.keys() and running < 60, methods
+    assert "status" not in loop.read_text(encoding="utf-8")  # why a run ends: Ending.why alone
+
+
+ALLOWED_WHOLE_JOB = {
+    # functions that take the whole job config, and why: each checks, plans or records the job as a whole
+    "parallel.train.lifecycle": {"train", "_before_grid", "_start_grid"},  # the entry: hands sections down
+    "parallel.train.job": {"run_job", "build_job", "_build_model", "_optimizer"},  # the assembly
+    "parallel.train.checks": {"before_grid", "on_grid"},  # the checks of the whole job
+    "parallel.train.checks.config": {"validate_config", "_validate_crop_and_eval", "_validate_kfac"},
+    "parallel.train.checks.fit": {"check_cases", "_sliding"},  # crops, windows and cases across sections
+    "parallel.train.observe.mlperf": {"log_submission", "log_segmentation"},  # the job's hyperparameters
+}
+
+
+@pytest.mark.unit
+def test_modules_take_the_config_section_they_use():
+    """Only the functions in ``ALLOWED_WHOLE_JOB`` take the job config (``JobConfig``); the
+    others take the section they use (``cfg.train``, ``cfg.run``, ``cfg.data`` ...)."""
+    found: dict[str, set[str]] = {}
+    for path in sorted((REPO / "parallel").rglob("*.py")):
+        mod = _module_name(path, REPO)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+                if any(a.annotation is not None and "JobConfig" in ast.unparse(a.annotation) for a in args):
+                    found.setdefault(mod, set()).add(node.name)
+    assert found == ALLOWED_WHOLE_JOB
 
 
 @pytest.mark.unit

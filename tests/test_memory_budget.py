@@ -57,10 +57,10 @@ def _cfg(data: Path, *overrides: str) -> CosmoFlowJob:
 def test_memory_limit_values(data: Path):
     """Bytes or sizes; anything else names the key."""
     for text, want in (("3GiB", 3 * 2**30), ("500MB", 5e8), ("1048576", 2**20), ("null", None)):
-        assert autosplit.memory_limit_bytes(_cfg(data, f"parallel.memory_limit={text}")) == want
+        assert autosplit.memory_limit_bytes(_cfg(data, f"parallel.memory_limit={text}").parallel.memory_limit) == want
     for bad in ("lots", "-1GB"):
         with pytest.raises(ValueError, match="parallel.memory_limit"):
-            autosplit.memory_limit_bytes(_cfg(data, f"parallel.memory_limit={bad}"))
+            autosplit.memory_limit_bytes(_cfg(data, f"parallel.memory_limit={bad}").parallel.memory_limit)
 
 
 def test_auto_plans_for_the_budget(data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
@@ -71,7 +71,7 @@ def test_auto_plans_for_the_budget(data: Path, tmp_path: Path, monkeypatch: pyte
     slow_split.write_text(json.dumps({"spatial_layer_overhead": 1.0}))
     monkeypatch.setenv("SPATIALCNN_CALIBRATION", str(slow_split))
     cfg = _cfg(data, "train.global_batch_size=2")
-    facts = read_facts(cfg, FAMILY)
+    facts = read_facts(cfg.data, FAMILY)
     layers, machine, opts = autosplit.job_plan(cfg, FAMILY, facts)
     whole = plan.predict(layers, machine, 2, (1, 1, 1), opts)["memory_bytes"]
     split = plan.predict(layers, machine, 1, (2, 1, 1), opts)["memory_bytes"]

@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 from mlperf_logging.mllog import constants as C
 
 from parallel.grid import Grid
-from parallel.infer import evaluation_due
+from parallel.train.evaluate import evaluation_due
 from parallel.train.cli import CONFIG_ROOT, register
 from parallel.job.config import to_dataclass
 from parallel.train.observe.mlperf import MLPerfLog, log_submission

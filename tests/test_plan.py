@@ -114,7 +114,7 @@ def test_auto_spatial_reads_the_volume_and_picks_a_valid_split(tmp_path: Path):
         [f"data.dir={tmp_path}", "parallel.spatial=auto", "train.global_batch_size=1",
          "model.n_conv_blocks=3", "model.conv_filters=8"])))
     assert cfg.parallel.spatial == "auto"
-    facts = read_facts(cfg, FAMILY)
+    facts = read_facts(cfg.data, FAMILY)
     assert facts.volume == (32, 32, 32) and facts.stored_bytes_per_voxel == 2 * 4
     spatial = autosplit.auto_spatial(cfg, FAMILY, facts, world_size=4)
     assert len(spatial) == 3 and math.prod(spatial) == 4  # batch 1: no data parallelism possible

@@ -25,7 +25,7 @@ TIMEOUT = 240
 
 def _choice(cfg: CosmoFlowJob, calibration: Path, monkeypatch) -> list[int]:
     monkeypatch.setenv("SPATIALCNN_CALIBRATION", str(calibration))
-    return autosplit.auto_spatial(cfg, FAMILY, read_facts(cfg, FAMILY), world_size=2)
+    return autosplit.auto_spatial(cfg, FAMILY, read_facts(cfg.data, FAMILY), world_size=2)
 
 
 def test_rank0_chooses_the_split_for_everyone(tmp_path: Path, monkeypatch):

@@ -1,6 +1,6 @@
 """A steady training step waits only for its halo exchanges, the split layers' sums and
-the gradient sync: counted through the Trainer's real loop (``fit``, its ``TrainStep``
-audited by tests/step_audit.py) at spatial 2x1x1 on CPU.
+the gradient sync: counted through the job's real loop (``build_job(...).run()``, its
+``TrainStep`` audited by tests/step_audit.py) at spatial 2x1x1 on CPU.
 
 Before, every forward and micro-batch all-gathered the input's block sizes (and read them
 with ``.tolist()``), and the U-Net augmentation all-gathered its data groups' row counts

@@ -19,10 +19,12 @@ from torch import nn
 from cosmoflow.family import FAMILY as COSMO
 from parallel.grid import Grid
 from parallel.job import usermodel
-from parallel.train.checks import verify as verification
+from parallel.train.checks import equivalence
+from parallel.verify.probe import choose_probe
 from parallel.train.cli import CONFIG_ROOT, load_job, register
 from parallel.job.config import UnknownKeyError, to_dataclass
-from parallel.train.checks import InputError, check_model
+from parallel.job.errors import InputError
+from parallel.train.checks.fit import check_model, check_volume
 from train_helpers import REPO
 from unet3d.family import FAMILY as UNET
 
@@ -101,8 +103,8 @@ def test_networks_that_cannot_be_built_say_which_key():
 ], ids=["unet3d-too-few-classes", "unet3d-wrong-input-channels", "cosmoflow-two-outputs", "cosmoflow-volume-output"])
 def test_user_networks_that_do_not_fit_the_family_are_refused(family, cfg, match):
     channels = 4 if family is COSMO else 1
-    with pytest.raises(InputError, match=match):
-        check_model(family, cfg, (32, 32, 32), channels, Grid((1, 1, 1), 1, 0))
+    with pytest.raises(InputError, match=match):  # before any process group: no grid needed
+        check_volume(family, cfg, (32, 32, 32), channels)
 
 
 def test_a_network_with_a_global_pool_passes_the_split_check():
@@ -132,15 +134,13 @@ def test_verification_runs_when_auto_finds_code_it_cannot_see():
     grid = Grid((2, 1, 1), 2, 0)
     plain = nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), nn.ReLU())
     custom = _Plain(nn.Conv3d(1, 2, 3, padding=1))
-    job = UNET.config_class()
-    job.parallel.verify = "auto"
-    assert verification.serial_copy(job, plain, grid) is None  # torch.nn layers only: nothing to find
-    assert verification.serial_copy(job, custom, grid) is not None
-    assert verification.serial_copy(job, custom, Grid((1, 1, 1), 2, 0)) is None  # data parallel only
-    job.parallel.verify = True
-    assert verification.serial_copy(job, plain, Grid((1, 1, 1), 1, 0)) is not None
-    job.parallel.verify = "false"
-    assert verification.serial_copy(job, custom, grid) is None
+    copy = equivalence.serial_copy
+    assert copy("auto", plain, grid, user_model=False) is None  # torch.nn layers only: nothing to find
+    assert copy("auto", plain, grid, user_model=True) is not None  # a model._target_ network: always checked
+    assert copy("auto", custom, grid, user_model=False) is not None
+    assert copy("auto", custom, Grid((1, 1, 1), 2, 0), user_model=False) is None  # data parallel only
+    assert copy(True, plain, Grid((1, 1, 1), 1, 0), user_model=False) is not None
+    assert copy("false", custom, grid, user_model=True) is None
 
 
 def test_probe_is_small_where_the_network_allows_and_whole_where_it_must():
@@ -148,17 +148,18 @@ def test_probe_is_small_where_the_network_allows_and_whole_where_it_must():
 
     grid = Grid((2, 1, 1), 2, 0)
     unet = UNET.build_model(OmegaConf.to_object(OmegaConf.structured(UNET.config_class).model), (128, 128, 128))
-    probe, how = verification.choose_probe(unet, grid, 1, (128, 128, 128), whole_allowed=False)
+    probe, how = choose_probe(unet, grid, 1, (128, 128, 128), whole_limit=0)
     assert probe == (1, 1, 64, 64, 64) and how == "sized from the network"  # 5 halvings: 32 x at least 2
     cosmo = CosmoFlow(CosmoFlowConfig(n_conv_blocks=3, conv_filters=2, dense_sizes=[4]), (32, 32, 32))
-    probe, how = verification.choose_probe(cosmo, grid, 4, (32, 32, 32), whole_allowed=True)
+    probe, how = choose_probe(cosmo, grid, 4, (32, 32, 32), whole_limit=32**3)
     assert probe == (1, 4, 32, 32, 32) and how.startswith("one whole sample")  # Flatten+Linear fixes the size
-    probe, why = verification.choose_probe(cosmo, grid, 4, (32, 32, 32), whole_allowed=False)
-    assert probe is None and "parallel.verify=true" in why
+    probe, why = choose_probe(cosmo, grid, 4, (32, 32, 32), whole_limit=32**3 - 1)
+    assert probe is None and f"over {32**3 - 1} voxels" in why
 
 
 def test_parallel_verify_takes_auto_true_or_false():
-    from parallel.train.checks import ConfigError, validate_config
+    from parallel.job.errors import ConfigError
+    from parallel.train.checks.config import validate_config
 
     job, _, _ = _compose(UNET, ["parallel.verify=true"])
     assert job.parallel.verify is True

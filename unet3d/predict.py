@@ -40,7 +40,8 @@ from parallel.data import BlockDataset
 from parallel.data.crops import REGION_KEY
 from parallel.grid import Grid
 from parallel.infer import CaseRegion, WindowCrop, case_logits
-from parallel.train import checks
+from parallel.train.checks import window as eval_window
+from parallel.train.checks.fit import Strides
 from parallel.infer.predict import Session, UsageError, case_shapes, load_run, open_session, parser, run
 from unet3d.family import FAMILY
 
@@ -66,7 +67,7 @@ def _predict(args) -> None:  # noqa: ANN001 - argparse.Namespace
     s = open_session(args, FAMILY, regions, job)
     grid = s.grid
     # every rank checks every case before any runs: a refusal is the same on all of them
-    strides = checks.Strides(FAMILY, job.model, 1, grid)
+    strides = Strides(FAMILY, job.model, 1, grid)
     if window is not None:
         checked = [(window, f"--window {' '.join(map(str, window))}")]
     else:
@@ -105,7 +106,7 @@ def _window(given: list[int] | None, job) -> tuple[int, int, int]:  # noqa: ANN0
         if len(given) not in (1, 3) or min(given) < 1:
             raise UsageError(f"--window {' '.join(map(str, given))}: want N or D H W, positive")
         return tuple(given * 3 if len(given) == 1 else given)  # type: ignore[return-value]
-    w = checks.window(job)
+    w = eval_window(job.eval, job.data.crop)
     if w is None:
         raise UsageError("the run has neither eval.window nor data.crop: give --window N (or --mode whole)")
     return w

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel.bench import device as dev
+from parallel.runtime import memory
 from parallel.bench.layer_times import CPU, Case, best, busy_times, case_seconds
 from parallel.bench.network import fit, network
 from parallel.bench.ranks import run_ranks
@@ -127,7 +128,7 @@ def calibrate(cases: Sequence[Case], trials: int = 3, device: torch.device = CPU
         g = Machine.generic_machine("gpu")
         result.update(p2p_alpha=g.p2p_alpha, p2p_beta=g.p2p_beta, ar_alpha=g.ar_alpha, ar_beta=g.ar_beta,
                       spatial_layer_overhead=g.spatial_layer_overhead, overlap_overhead=g.overlap_overhead,
-                      baseline_memory=dev.in_use_bytes(device), network="generic-gpu (one GPU: not measured)")
+                      baseline_memory=memory.in_use_bytes(device), network="generic-gpu (one GPU: not measured)")
     alone = case_seconds(cases, trials, {}, device)
     busy = busy_times(cases, trials, {}, device, busy_ranks)
     common = [k for k in busy if k in alone and alone[k] > 0]

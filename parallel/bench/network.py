@@ -13,7 +13,7 @@ from torch import nn
 
 import parallel
 from parallel import comm
-from parallel.bench import device as dev
+from parallel.runtime import memory
 from parallel.bench.timing import barrier_trials
 from parallel.grid import Grid
 
@@ -28,7 +28,7 @@ def network(grid: Grid, sizes: Sequence[int], trials: int) -> dict[str, Any]:
     the rank's memory before any model (resident on CPUs; reserved + context on GPUs)."""
     rank = grid.rank
     peer = 1 - rank
-    res: dict[str, Any] = {"baseline_memory": dev.in_use_bytes(grid.device)}  # not the peak: inherited across exec
+    res: dict[str, Any] = {"baseline_memory": memory.in_use_bytes(grid.device)}  # not the peak: inherited across exec
     p2p, ar = [], []
     for n in sizes:
         buf = torch.zeros(n // 4, device=grid.device)

@@ -9,6 +9,7 @@ from torch import nn
 
 import parallel
 from parallel.bench import device as dev
+from parallel.runtime import memory
 from parallel.bench.timing import interleaved, median, ratio
 from parallel.grid import Grid
 from parallel.plan import build_model
@@ -113,13 +114,13 @@ def peak_memory(grid: Grid, name: str, size: Sequence[int], overrides: Sequence[
     gc.collect()
     if grid.device.type == "cuda":
         torch.cuda.empty_cache()  # the baseline: the context and what the runtime keeps, no cached blocks
-    reset = dev.reset_peak(grid.device)
-    baseline = dev.in_use_bytes(grid.device)
+    reset = memory.reset_peak(grid.device)
+    baseline = memory.in_use_bytes(grid.device)
     s = Stepper(grid, name, size, overrides, batch, overlap=overlap, recompute=recompute)
     for _ in range(steps):
         s.step()
     # CPU: VmHWM, this process's own peak; CUDA: peak reserved + context (what the device held).
-    peak = dev.peak_bytes(grid.device)
+    peak = memory.peak_held_bytes(grid.device)
     return {"baseline_bytes": baseline, "peak_bytes": peak, "above_baseline": peak - baseline,
             "peak_reset": float(reset)}
 

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import torch
 
 import parallel
-from parallel.bench import device as dev
+from parallel.runtime import memory
 from parallel.bench.step import make_model
 from parallel.grid import Grid
 from parallel.job.family import get
@@ -27,18 +27,18 @@ def _program(grid: Grid, name: str, size: Sequence[int], overrides: Sequence[str
     model, in_shape = make_model(name, size, overrides)
     x = torch.randn((batch, *in_shape), generator=torch.Generator().manual_seed(1))
     if marks is not None:
-        marks["model_and_batch"] = dev.in_use_bytes(grid.device)
+        marks["model_and_batch"] = memory.in_use_bytes(grid.device)
     pmodel = parallel.parallelize(model, grid, input_shape=in_shape if input_shape else None,
                                   channels_last=channels_last)
     x = parallel.scatter(x, grid)  # the user's own name for the block: the global batch may go
     if marks is not None:
         gc.collect()
-        marks["parallelized"] = dev.in_use_bytes(grid.device)
-        dev.reset_peak(grid.device)
+        marks["parallelized"] = memory.in_use_bytes(grid.device)
+        memory.reset_peak(grid.device)
     out = pmodel(x)
     out.float().square().mean().backward()
     if marks is not None:
-        marks["peak"] = dev.peak_bytes(grid.device)
+        marks["peak"] = memory.peak_held_bytes(grid.device)
 
 
 def api_peak_memory(grid: Grid, name: str, size: Sequence[int], overrides: Sequence[str], batch: int,
@@ -49,8 +49,8 @@ def api_peak_memory(grid: Grid, name: str, size: Sequence[int], overrides: Seque
     _program(grid, name, [4 * g for g in grid.spatial], list(get(name).tiny_overrides), 1, input_shape,
              channels_last, None)
     gc.collect()
-    dev.reset_peak(grid.device)
-    baseline = dev.in_use_bytes(grid.device)
+    memory.reset_peak(grid.device)
+    baseline = memory.in_use_bytes(grid.device)
     marks: dict[str, float] = {}
     _program(grid, name, size, overrides, batch, input_shape, channels_last, marks)
     return {"baseline_bytes": baseline, **{f"{k}_bytes": v - baseline for k, v in marks.items()},

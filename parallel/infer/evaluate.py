@@ -40,17 +40,6 @@ Metric = Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]
 Forward = Callable[[torch.Tensor], torch.Tensor]
 
 
-def evaluation_due(epoch: int, every: int, start_epoch: int = 0) -> bool:
-    """Whether to evaluate after (1-based) ``epoch``: the reference evaluates at
-    ``start_epoch`` and every ``every`` epochs after it (MLPerf U-Net: 1000, 1020, ...);
-    ``start_epoch=0`` evaluates whenever ``epoch`` is a multiple of ``every``; ``every=0`` never."""
-    if every <= 0:
-        return False
-    if start_epoch <= 0:
-        return epoch % every == 0
-    return epoch >= start_epoch and (epoch - start_epoch) % every == 0
-
-
 def case_logits(forward: Forward, x: torch.Tensor, grid: Any, *, mode: Literal["sliding", "whole"] = "sliding",
                 region: torch.Tensor | None = None, window: Sequence[int] | None = None, overlap: float = 0.5,
                 pad_value: float = PAD_VALUE, sigma_scale: float = 0.125) -> torch.Tensor:

@@ -125,7 +125,7 @@ class TrainConfig:
     """Continue from ``run.dir/checkpoints/last.pt`` if it exists."""
     precision: Precision = Precision.fp32
     """Compute precision: fp32; bf16 autocast; fp16 autocast with a loss scaler (CPU or GPU:
-    ``parallel.train.scaler``); fp64: weights, samples and compute in float64, so that runs
+    ``parallel.train.precision``); fp64: weights, samples and compute in float64, so that runs
     at different grids compare to ~1e-12 instead of float32 noise (its checkpoints hold
     float64 tensors; resuming one at fp32 casts them)."""
     tf32: bool = False

@@ -39,7 +39,7 @@ class KFAC(torch.optim.SGD):
     ``model`` is the serial model or its ``ParallelModule`` (unwrapped: layer names and
     state keys are the serial model's); ``grid`` is None for a single process. Every
     parameter of the model is optimised; layers not preconditioned take the plain update.
-    ``grad_scaler``: the fp16 scaler (``parallel.train.scaler.LossScaler`` or torch's ``GradScaler``:
+    ``grad_scaler``: the fp16 scaler (``parallel.train.precision.LossScaler`` or torch's ``GradScaler``:
     ``is_enabled()``, ``get_scale()``) whose scale the captured output gradients carry.
     ``params``: the parameters or parameter groups to optimise (default: all the model's;
     groups set their own ``weight_decay``, which SGD adds after the preconditioning); they

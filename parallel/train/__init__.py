@@ -3,22 +3,24 @@
 >>> from parallel.train import train
 >>> summary = train(cfg, family)        # collective: every rank calls it
 
-Grouped by what the files do:
+Grouped by what the files do (each folder a layer: docs/parallel.md's module map):
 
-- ``cli``: the command line (Hydra's entry point, its settings, sweeps);
 - ``checks``: what is decided before the first step (the config's values, the sample
   files, the network against the volumes and the split, ``parallel.spatial=auto``, the
-  memory budget), each refusal one clear message;
-- ``persist``: what a run keeps (checkpoints, the training state, RNG streams, the run
-  directory);
-- ``observe``: what a run tells (logs, metrics.jsonl, TensorBoard, the MLPerf log, step
-  times, traces);
-- the run: ``lifecycle`` (the process: start, watchdog, failure, exit codes), ``loop``
-  (epochs of steps), ``step`` (one step and its non-finite guard), ``data`` (readers and
-  batches), ``prefetch`` (batches copied to the GPU a step ahead), ``optim`` (optimiser
-  and schedule), ``evaluate``, ``gradnorm`` (the global gradient norm every rank decides
-  from), ``scaler`` (fp16 loss scaling), ``compiled`` (``train.compile``), ``stopsignal``
-  (a signal such as Slurm's time-limit warning), ``elastic`` (a restart under torchrun).
+  memory budget, the split model against its serial self), each refusal one message;
+- ``persist``: what a run keeps (the checkpoint writer, the training state, RNG
+  streams, the run directory);
+- ``observe``: the run's events and their observers (logs, metrics.jsonl, TensorBoard,
+  the MLPerf log, checkpoints as they fall due, step times, traces) and the summary;
+- the run: ``lifecycle`` (``train()``: the process, start to exit code), ``job`` (the
+  job built on its grid, top to bottom), ``loop`` (epochs of steps; the run's end),
+  ``step`` (one step and its non-finite guard), ``data`` (readers and batches),
+  ``prefetch`` (batches copied to the GPU a step ahead), ``optim`` (optimiser and
+  schedule), ``evaluate`` (the evaluation and its schedule), ``gradnorm`` (the global
+  gradient norm every rank decides from), ``precision`` (autocast, fp64, the fp16 loss
+  scaler), ``stopsignal`` (a signal such as Slurm's time-limit warning), ``elastic`` (a
+  restart under torchrun);
+- ``cli``: the command line (Hydra's entry point, its settings, sweeps).
 """
 
 from typing import Any

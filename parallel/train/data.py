@@ -25,7 +25,7 @@ from parallel.data.reader import SampleReadError
 from parallel.grid import Grid
 from parallel.infer.windows import WindowCrop
 from parallel.train.checks import SampleFacts, train_volume, window
-from parallel.job.config import JobConfig
+from parallel.job.config import DataConfig, EvalConfig, TrainConfig
 from parallel.job.family import Family
 from parallel.train.prefetch import AheadCopies, copies_ahead
 
@@ -146,14 +146,14 @@ def fixed_shapes(pmodel: Any, data: JobData) -> contextlib.AbstractContextManage
     return pmodel.fixed_input(data.fixed_volume)
 
 
-def split_dir(cfg: JobConfig, split: str, family: Family) -> Path:
+def split_dir(data: DataConfig, split: str, family: Family) -> Path:
     """``data.dir/<split>``, with an error that says how to make it when it is missing."""
-    sub = cfg.data.train_subdir if split == "train" else cfg.data.val_subdir
-    path = Path(cfg.data.dir) / sub
+    sub = data.train_subdir if split == "train" else data.val_subdir
+    path = Path(data.dir) / sub
     if not path.is_dir():
         raise FileNotFoundError(
-            f"data.dir={cfg.data.dir!r} has no {sub}/ directory ({path}); generate a set with "
-            f"{family.prepare_hint(cfg.data.dir)} or point data.dir at one"
+            f"data.dir={data.dir!r} has no {sub}/ directory ({path}); generate a set with "
+            f"{family.prepare_hint(data.dir)} or point data.dir at one"
         )
     return path
 
@@ -166,75 +166,78 @@ def _count(n: int, limit: int, key: str, path: Path) -> int:
     return min(n, limit) if limit else n
 
 
-def _loader(ds: BlockDataset, sampler: Any, cfg: JobConfig, grid: Grid, seed: int, ahead: bool = False) -> Any:
+def _loader(ds: BlockDataset, sampler: Any, data: DataConfig, grid: Grid, seed: int, ahead: bool = False) -> Any:
     """``ahead``: leave the batches in (pinned) host memory; ``Batches`` copies them to the
     GPU one step ahead (``parallel.train.prefetch``)."""
-    loader = make_loader(ds, sampler, num_workers=cfg.data.workers,
-                         prefetch_factor=max(cfg.data.prefetch, 1), device=None if ahead else grid.device,
-                         persistent_workers=cfg.data.workers > 0, seed=seed)
+    loader = make_loader(ds, sampler, num_workers=data.workers,
+                         prefetch_factor=max(data.prefetch, 1), device=None if ahead else grid.device,
+                         persistent_workers=data.workers > 0, seed=seed)
     # seed: a private generator for the workers' base seed keeps the global RNG (plain
     # dropout) independent of data loading, so a resumed run draws the same dropout masks.
     return loader
 
 
-def build_data(cfg: JobConfig, family: Family, grid: Grid, facts: SampleFacts) -> JobData:
+def build_data(data: DataConfig, ev: EvalConfig, train: TrainConfig, family: Family, grid: Grid,
+               facts: SampleFacts) -> JobData:
     """Stage (if asked) and open the train and val splits for this rank (samples of
-    ``facts.volume``, as the pre-flight check found them)."""
+    ``facts.volume``, as the job's checks found them); ``data``, ``ev``, ``train``: the
+    job's data, eval and train sections (the crop and readers; the sliding window; the
+    seed and the batches)."""
     fields = (family.input_field, family.target_field)
-    train_dir = split_dir(cfg, "train", family)
-    val_dir = split_dir(cfg, "val", family)
+    train_dir = split_dir(data, "train", family)
+    val_dir = split_dir(data, "val", family)
     t0 = time.perf_counter()
-    sliding = str(cfg.eval.mode) == "sliding"
-    if cfg.data.stage_dir:
+    sliding = str(ev.mode) == "sliding"
+    if data.stage_dir:
         # a rank's block of a crop or of a window's kept part lies anywhere in the case: whole files
-        blocks = cfg.data.stage_blocks_only
-        modes = ["blocks" if blocks and cfg.data.crop is None else "shard",
+        blocks = data.stage_blocks_only
+        modes = ["blocks" if blocks and data.crop is None else "shard",
                  "blocks" if blocks and not sliding else "shard"]
         if blocks and "shard" in modes:
             log.info("staging whole files of %s: crops and sliding windows read anywhere in a case",
                      " and ".join(n for n, m in zip(("train", "val"), modes) if m == "shard"))
-        train_dir = Path(stage(str(train_dir), str(Path(cfg.data.stage_dir) / "train"), grid, mode=modes[0]).path)
-        val_dir = Path(stage(str(val_dir), str(Path(cfg.data.stage_dir) / "val"), grid, mode=modes[1]).path)
+        train_dir = Path(stage(str(train_dir), str(Path(data.stage_dir) / "train"), grid, mode=modes[0]).path)
+        val_dir = Path(stage(str(val_dir), str(Path(data.stage_dir) / "val"), grid, mode=modes[1]).path)
     staging = time.perf_counter() - t0
     check = dict(input_field=family.input_field, target_field=family.target_field)
     crops = None
-    if cfg.data.crop is not None:
-        oversampling = cfg.data.oversampling if family.crop_boxes else 0.0
-        crops = BalancedCrop(cfg.data.crop, oversampling, seed=cfg.train.seed, boxes_field=family.crop_boxes or "")
+    if data.crop is not None:
+        oversampling = data.oversampling if family.crop_boxes else 0.0
+        crops = BalancedCrop(data.crop, oversampling, seed=train.seed, boxes_field=family.crop_boxes or "")
     train_ds = CheckedDataset(train_dir, fields=fields, grid=grid, transform=family.transform,
-                              max_open_files=cfg.data.max_open_files, nonfinite=str(cfg.data.nonfinite),
+                              max_open_files=data.max_open_files, nonfinite=str(data.nonfinite),
                               regions=crops, **check)
     # Validation never skips: a metric over fewer samples would not be the metric.
-    windows = WindowCrop(window(cfg), cfg.eval.overlap) if sliding else None  # type: ignore[arg-type]
+    windows = WindowCrop(window(ev, data.crop), ev.overlap) if sliding else None  # type: ignore[arg-type]
     val_ds = CheckedDataset(val_dir, fields=fields, grid=grid, transform=family.transform,
-                            max_open_files=cfg.data.max_open_files, nonfinite="fail", regions=windows, **check)
+                            max_open_files=data.max_open_files, nonfinite="fail", regions=windows, **check)
     if family.transform_for is not None:
         train_ds.transform = family.transform_for(train_ds.attrs)
         val_ds.transform = family.transform_for(val_ds.attrs)
-    n_train = _count(len(train_ds), cfg.data.max_train_samples, "data.max_train_samples", train_dir)
-    n_val = _count(len(val_ds), cfg.data.max_val_samples, "data.max_val_samples", val_dir)
-    g = cfg.train.global_batch_size
-    per_step = grid.data_size * cfg.train.accum_steps
+    n_train = _count(len(train_ds), data.max_train_samples, "data.max_train_samples", train_dir)
+    n_val = _count(len(val_ds), data.max_val_samples, "data.max_val_samples", val_dir)
+    g = train.global_batch_size
+    per_step = grid.data_size * train.accum_steps
     if g % per_step != 0:
         raise ValueError(
             f"train.global_batch_size={g} does not divide into data groups ({grid.data_size}) x "
-            f"train.accum_steps ({cfg.train.accum_steps}) = {per_step} equal micro-batches"
+            f"train.accum_steps ({train.accum_steps}) = {per_step} equal micro-batches"
         )
     if n_train < g:
         raise ValueError(f"{train_dir} holds {n_train} samples, fewer than train.global_batch_size={g}")
-    train_sampler = GlobalShuffleSampler(n_train, grid, global_batch=g, seed=cfg.train.seed,
+    train_sampler = GlobalShuffleSampler(n_train, grid, global_batch=g, seed=train.seed,
                                          shuffle=True, drop_last=True)
     # evaluation: contiguous shares of the cases per data group, as the reference deals them;
     # one case per step where they differ in shape or the sliding window takes them one by one
     ahead = copies_ahead(grid.device)  # training batches: copied ahead on a side stream (CUDA)
-    eval_batch = cfg.train.eval_batch_size or g
+    eval_batch = train.eval_batch_size or g
     one_by_one = sliding or len({shape for _, shape in facts.val_shapes}) > 1
     val_sampler = ShardSampler(n_val, grid, per_step=1 if one_by_one else max(eval_batch // grid.data_size, 1))
     return JobData(
-        train=Batches(_loader(train_ds, train_sampler, cfg, grid, cfg.train.seed + 1, ahead),
+        train=Batches(_loader(train_ds, train_sampler, data, grid, train.seed + 1, ahead),
                       grid.device if ahead else None),
-        val=Batches(_loader(val_ds, val_sampler, cfg, grid, cfg.train.seed + 2)),
-        n_train=n_train, n_val=n_val, volume=train_volume(cfg, facts.volume), staging_seconds=staging,
-        fixed_volume=train_volume(cfg, facts.volume) if cfg.data.crop is not None
+        val=Batches(_loader(val_ds, val_sampler, data, grid, train.seed + 2)),
+        n_train=n_train, n_val=n_val, volume=train_volume(data.crop, facts.volume), staging_seconds=staging,
+        fixed_volume=train_volume(data.crop, facts.volume) if data.crop is not None
         or len({tuple(shape) for _, shape in facts.train_shapes}) <= 1 else None,
     )

@@ -29,7 +29,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from parallel.train.checks import InputError, is_auto
+from parallel.job.errors import InputError
+from parallel.train.checks import is_auto
 
 log = logging.getLogger("parallel.train")
 
@@ -61,24 +62,25 @@ def max_restarts(env: dict[str, str] | None = None) -> int:
     return int(value) if value.isdigit() else 0
 
 
-def prepare(cfg: Any) -> None:
-    """Before the run directory is settled: a restart resumes from the last checkpoint on
-    its own (``train.resume=true``; with no checkpoint yet the run starts afresh there)."""
+def resumes(resume: bool, run_dir: str) -> bool:
+    """``train.resume`` as a session takes it: a restart resumes from the last checkpoint in
+    ``run_dir`` on its own (with no checkpoint yet the run starts afresh there)."""
     if not is_restart():
-        return
-    if not cfg.train.resume:
+        return resume
+    if not resume:
         log.info("elastic restart %d: resuming from the last checkpoint in run.dir=%s, if any", restart_count(),
-                 cfg.run.dir)
-    cfg.train.resume = True
+                 run_dir)
+    return True
 
 
-def spatial_choice(cfg: Any, decide: Callable[[Any], Sequence[int]]) -> Any:
-    """What ``parallel.init`` gets for ``spatial`` at a restart: the configured split while
-    it divides the world (rank 0 decides, with the world's placement), else the split
-    ``parallel.spatial=auto`` chooses (``decide``). Outside a restart: the config's value."""
-    if not is_restart() or is_auto(cfg.parallel.spatial):
-        return decide if is_auto(cfg.parallel.spatial) else cfg.parallel.spatial
-    fixed = [int(v) for v in cfg.parallel.spatial]
+def spatial_choice(spatial: Any, decide: Callable[[Any], Sequence[int]]) -> Any:
+    """What ``parallel.init`` gets for ``spatial`` (``parallel.spatial``): at a restart, the
+    configured split while it divides the world (rank 0 decides, with the world's
+    placement), else the split ``parallel.spatial=auto`` chooses (``decide``). Outside a
+    restart: the config's value (``decide`` for ``auto``)."""
+    if not is_restart() or is_auto(spatial):
+        return decide if is_auto(spatial) else spatial
+    fixed = [int(v) for v in spatial]
 
     def choose(world: Any) -> Sequence[int]:
         size = fixed[0] * fixed[1] * fixed[2]
@@ -144,11 +146,12 @@ def accumulation(global_batch: int, data: int, accum: int, micro_ref: int | None
     return per_rank  # unreachable: a micro-batch of 1 always fits
 
 
-def regrid(cfg: Any, grid: Any) -> Regrid | None:
-    """After the process group started and the run directory is settled (every rank): set
-    ``train.accum_steps`` for this world and record the session in ``run.dir/elastic.json``.
-    Rank 0 decides and tells the others, so every rank raises the same ``ElasticError``.
-    None unless torchrun may restart the job (``--max-restarts`` above 0): nothing to record."""
+def regrid(train: Any, run_dir: str, grid: Any) -> Regrid | None:
+    """After the process group started and the run directory is settled (every rank): this
+    session's grid and the accumulation that keeps ``train.global_batch_size`` in this
+    world (``Regrid.current.accum_steps``), recorded in ``run_dir/elastic.json``. Rank 0
+    decides and tells the others, so every rank raises the same ``ElasticError``. None
+    unless torchrun may restart the job (``--max-restarts`` above 0): nothing to record."""
     if grid.launcher != "torchrun" or not max_restarts():
         return None
     from parallel import comm
@@ -156,7 +159,7 @@ def regrid(cfg: Any, grid: Any) -> Regrid | None:
     answer: dict[str, Any] = {}
     if grid.rank == 0:
         try:
-            answer["regrid"] = asdict(_decide(cfg, grid))
+            answer["regrid"] = asdict(_decide(train, run_dir, grid))
         except ElasticError as err:
             answer["error"] = str(err)
     if grid.world_size > 1:
@@ -165,18 +168,17 @@ def regrid(cfg: Any, grid: Any) -> Regrid | None:
     if "error" in answer:
         raise ElasticError(answer["error"])
     state = Regrid(answer["regrid"]["micro_batch"], [Session(**s) for s in answer["regrid"]["sessions"]])
-    cfg.train.accum_steps = state.current.accum_steps
     if is_restart():
         cur = state.current
         log.info("elastic restart %d: %d ranks, data %d x spatial %s, accumulation %d (micro-batch %d per rank, "
                  "global batch %d kept)", cur.restart, cur.world_size, cur.data, "x".join(map(str, cur.spatial)),
-                 cur.accum_steps, cur.micro_batch, cfg.train.global_batch_size)
+                 cur.accum_steps, cur.micro_batch, train.global_batch_size)
     return state
 
 
-def _decide(cfg: Any, grid: Any) -> Regrid:
+def _decide(train: Any, run_dir: str, grid: Any) -> Regrid:
     """Rank 0: this session's accumulation from the record (if any), the record written back."""
-    path = Path(cfg.run.dir) / RECORD
+    path = Path(run_dir) / RECORD
     known = None
     if is_restart() and path.is_file():
         try:
@@ -185,8 +187,8 @@ def _decide(cfg: Any, grid: Any) -> Regrid:
         except (OSError, ValueError, KeyError, TypeError) as err:
             log.warning("elastic restart: %s unreadable (%s); this session's micro-batch becomes the reference",
                         path, err)
-    g = cfg.train.global_batch_size
-    accum = accumulation(g, grid.data_size, cfg.train.accum_steps, None if known is None else known.micro_batch)
+    g = train.global_batch_size
+    accum = accumulation(g, grid.data_size, train.accum_steps, None if known is None else known.micro_batch)
     micro = max(1, g // (grid.data_size * accum))  # a first session that does not divide: the data module says so
     state = known or Regrid(micro)
     state.sessions.append(Session(restart_count(), grid.world_size, grid.data_size, list(grid.spatial), accum, micro))
@@ -197,11 +199,12 @@ def _decide(cfg: Any, grid: Any) -> Regrid:
     return state
 
 
-def continues_log(cfg: Any, resuming: bool) -> bool:
+def continues_log(run: Any, mlperf: Any, resuming: bool) -> bool:
     """Whether this session appends to the run's MLPerf log instead of starting one: an
-    elastic restart that resumes a run whose log exists."""
-    path = Path(cfg.run.dir) / "mlperf.log"
-    return is_restart() and resuming and cfg.mlperf.enabled and path.is_file() and path.stat().st_size > 0
+    elastic restart that resumes a run whose log exists (``run``, ``mlperf``: the job's
+    sections)."""
+    path = Path(run.dir) / "mlperf.log"
+    return is_restart() and resuming and mlperf.enabled and path.is_file() and path.stat().st_size > 0
 
 
 class ContinuedLog:
@@ -210,18 +213,18 @@ class ContinuedLog:
     dropped, and ``run_start`` becomes an ``elastic_restart`` event with the new grid, so
     the whole log still passes the compliance checker."""
 
-    def __init__(self, log_: Any, regrid_: Regrid | None, step: Callable[[], int]) -> None:
-        self._log, self._regrid, self._step = log_, regrid_, step
+    def __init__(self, log_: Any, regrid_: Regrid | None) -> None:
+        self._log, self._regrid = log_, regrid_
         self._running = False
 
     def _pass(self, key: str) -> bool:
-        if self._running:
-            return True
-        if key == "run_start":
-            self._running = True
-            value = self._regrid.event(self._step()) if self._regrid is not None else {"restart": restart_count()}
-            self._log.event("elastic_restart", value)
-        return False
+        return self._running
+
+    def run_start(self, step: int) -> None:
+        """``run_start`` of a restarted session: an ``elastic_restart`` event with its grid."""
+        self._running = True
+        value = self._regrid.event(step) if self._regrid is not None else {"restart": restart_count()}
+        self._log.event("elastic_restart", value)
 
     def event(self, key: str, value: Any = None, **metadata: Any) -> None:
         if self._pass(key):
@@ -239,15 +242,16 @@ class ContinuedLog:
         self._log.close()
 
 
-def open_continued_log(cfg: Any, grid: Any, regrid_: Regrid | None, step: Callable[[], int]) -> ContinuedLog:
-    """The run's ``mlperf.log`` opened for appending (rank 0; silent elsewhere); a line cut
-    by the kill that ended the last session is dropped first, so every line parses."""
+def open_continued_log(run: Any, grid: Any, regrid_: Regrid | None) -> ContinuedLog:
+    """The run's ``mlperf.log`` (in ``run.dir``) opened for appending (rank 0; silent
+    elsewhere); a line cut by the kill that ended the last session is dropped first, so
+    every line parses."""
     from parallel.train.observe.mlperf import MLPerfLog
 
-    path = Path(cfg.run.dir) / "mlperf.log"
+    path = Path(run.dir) / "mlperf.log"
     if grid.rank == 0:
         data = path.read_bytes()
         if data and not data.endswith(b"\n"):
             with open(path, "rb+") as fh:
                 fh.truncate(data.rfind(b"\n") + 1)
-    return ContinuedLog(MLPerfLog(path if grid.rank == 0 else None, True), regrid_, step)
+    return ContinuedLog(MLPerfLog(path if grid.rank == 0 else None, True), regrid_)

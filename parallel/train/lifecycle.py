@@ -1,13 +1,19 @@
 """The process around a training job: start, failure and end.
 
 ``train(cfg, family)`` is collective: every rank of the job calls it with the same
-config. It validates the config (the first phase of the job's checks,
-``parallel.train.checks.JobChecks``), starts the process group (``parallel.spatial=auto``:
-rank 0 asks the planner), the watchdog and the threads, runs the ``Trainer`` (which runs
-the other phases: samples -> fit -> verify), and ends
-the process: 0 after a clean end, 2 for bad input or config, 1 for anything else, after
-one clear message; with several ranks the watchdog makes every rank stop, naming the rank
-that failed (``docs/failures.md``).
+config. It reads top to bottom, each step a plain call that hands its result down:
+
+1. the checks that need no process group (``parallel.train.checks.before_grid``: the
+   config's values, the sample facts, the network at its volume): a ``JobPlan``;
+2. the process group and the grid (``parallel.spatial=auto``: rank 0 asks the planner
+   with the plan's facts; an elastic restart keeps or re-chooses the split);
+3. the run directory settled (``parallel.train.persist.rundir``), the elastic session
+   recorded, the watchdog and the threads;
+4. the job built on the grid and run (``parallel.train.job.run_job``): its summary.
+
+It ends the process: 0 after a clean end, 2 for bad input or config, 1 for anything
+else, after one clear message; with several ranks the watchdog makes every rank stop,
+naming the rank that failed (``docs/failures.md``).
 """
 
 from __future__ import annotations
@@ -16,25 +22,28 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable, NoReturn
+from typing import Any, NoReturn
 
 import torch
 
-import parallel
+from parallel import comm
 from parallel.data.reader import SampleReadError
 from parallel.grid import Grid
-from parallel.runtime.launch import RendezvousError, env_rank
-from parallel.partition import SplitError
 from parallel.job import checkpoint
-from parallel.train import elastic
-from parallel.train.checks import ConfigError, InputError, JobChecks, is_auto
-from parallel.job.config import JobConfig
+from parallel.job.config import JobConfig, ParallelConfig
+from parallel.job.errors import ConfigError, InputError
 from parallel.job.family import Family
-from parallel.train.loop import Trainer
-from parallel.train.observe.report import setup_logging
-from parallel.train.checks.budget import start as hold_memory_budget
-from parallel.train.step import NonFiniteError
+from parallel.partition import SplitError
+from parallel.runtime.launch import RendezvousError, destroy, env_rank, init, init_count
 from parallel.runtime.watchdog import Watchdog
+from parallel.train import elastic
+from parallel.train.checks import JobPlan, before_grid, is_auto
+from parallel.train.checks.autosplit import auto_spatial
+from parallel.train.job import run_job
+from parallel.train.observe.report import setup_logging
+from parallel.train.persist import rundir
+from parallel.train.persist.writer import Writer
+from parallel.train.step import NonFiniteError
 
 log = logging.getLogger("parallel.train")
 
@@ -54,60 +63,71 @@ def train(cfg: JobConfig, family: Family, config_text: str | None = None) -> dic
 
     Any failure ends the process with a non-zero status (see the module docstring).
     ``config_text``: the resolved config, saved as ``run.dir/config.yaml`` once the run
-    directory is settled (``parallel.train.persist.rundir``). A failure alike on every rank (bad
-    config or data) ends with ``SystemExit`` on every rank, together, so every launcher
-    reports its status (2) and a sweep run in these processes goes on to its next job.
+    directory is settled and a resume is known to proceed. A failure alike on every rank
+    (bad config or data) ends with ``SystemExit`` on every rank, together, so every
+    launcher reports its status (2) and a sweep run in these processes goes on to its next job.
     """
     setup_logging(cfg.run, env_rank())
-    checks = JobChecks(cfg, family)  # validate here; the trainer runs samples -> fit -> verify
-    auto = is_auto(cfg.parallel.spatial)
+    plan = _before_grid(cfg, family)
+    cfg.train.resume = elastic.resumes(cfg.train.resume, cfg.run.dir)  # a restart resumes by itself
+    grid = _start_grid(cfg, family, plan)
+    watchdog = None
     try:
-        checks.validate()
-    except ConfigError as err:
+        setup_logging(cfg.run, grid.rank)
+        cfg.run.dir = _settle_run_dir(cfg.run.dir, cfg.train.resume, cfg.run.overwrite, grid)
+        regrid = elastic.regrid(cfg.train, cfg.run.dir, grid)  # torchrun: accumulation for this world
+        if regrid is not None:
+            cfg.train.accum_steps = regrid.current.accum_steps
+        watchdog = _start_watchdog(cfg.parallel, cfg.run.dir, grid)
+        _set_threads(grid)
+        writer = Writer(background=cfg.run.checkpoint_background)
+        if watchdog is not None:  # a write in flight ends before a failure ends the process (bounded)
+            watchdog.before_exit = lambda: writer.drain(min(60.0, cfg.parallel.timeout_s))
+        save = lambda: _save_config(cfg.run.dir, cfg.train.resume, grid, config_text)  # noqa: E731
+        summary = run_job(cfg, family, grid, plan, writer, regrid, save, watchdog)
+    except BaseException as exc:  # noqa: BLE001 - every failure ends the job, loudly
+        _fail(exc, grid, watchdog)
+    if watchdog is not None:
+        watchdog.stop()  # before the barrier: nobody watches a peer that has left
+    destroy(cfg.parallel.timeout_s)  # waits for every rank before the group goes
+    return summary
+
+
+def _before_grid(cfg: JobConfig, family: Family) -> JobPlan:
+    """``checks.before_grid``; a bad config or sample set ends every rank alike with exit 2
+    (rank 0 says why), before any process group starts."""
+    try:
+        return before_grid(cfg, family)
+    except InputError as err:
         if env_rank() == 0:  # every rank finds the same: one message
-            log.error("bad config: %s", err)
+            log.error("bad config: %s" if isinstance(err, ConfigError) else "%s", err)
         raise SystemExit(EXIT_USER) from err
-    elastic.prepare(cfg)  # elastic restart (torchrun): resume from run.dir's last checkpoint on its own
 
-    def decide(world: Any) -> list[int]:  # rank 0, once the process group runs; facts are not read again
-        from parallel.train.checks.autosplit import auto_spatial
 
-        facts = checks.read_facts()
-        return auto_spatial(cfg, family, facts, world_size=world.world_size, local_size=world.max_ranks_per_node)
+def _start_grid(cfg: JobConfig, family: Family, plan: JobPlan) -> Grid:
+    """The process group and the grid of ``parallel.spatial`` (``auto``: rank 0 asks the
+    planner with the plan's facts, once the world is known); exit 2 where the grid does
+    not fit the world or the rendezvous cannot start."""
+    auto = is_auto(cfg.parallel.spatial)
+
+    def decide(world: Any) -> list[int]:  # rank 0, once the process group runs
+        return auto_spatial(cfg, family, plan.facts, world_size=world.world_size, local_size=world.max_ranks_per_node)
 
     try:
-        spatial: Any = elastic.spatial_choice(cfg, decide)  # the config's; at a restart, re-chosen if it no longer fits
-        grid = parallel.init(spatial, backend=cfg.parallel.backend, timeout_s=cfg.parallel.timeout_s,
-                             tf32=cfg.train.tf32)
-        if auto:
-            log.info("parallel.spatial=auto chose %s for %d ranks (parallel.plan)", "x".join(map(str, grid.spatial)),
-                     grid.world_size)
+        spatial: Any = elastic.spatial_choice(cfg.parallel.spatial, decide)  # at a restart, re-chosen if it no longer fits
+        grid = init(spatial, backend=cfg.parallel.backend, timeout_s=cfg.parallel.timeout_s, tf32=cfg.train.tf32)
     except RendezvousError as err:  # before any process group: every rank says so and leaves at once
         log.error("%s", err)
         raise SystemExit(EXIT_USER) from err
     except ValueError as err:  # the grid does not fit the world size, or auto found no split
         if env_rank() == 0:  # every rank finds the same: one message
             log.error("bad config: parallel.spatial=%s: %s", "auto" if auto else list(cfg.parallel.spatial), err)
-        parallel.destroy()
+        destroy()
         raise SystemExit(EXIT_USER) from err
-    watchdog = None
-    try:
-        setup_logging(cfg.run, grid.rank)
-        save_config = _settle_run_dir(cfg, grid, config_text)
-        regrid = elastic.regrid(cfg, grid)  # torchrun: accumulation for this world, run.dir/elastic.json
-        watchdog = _start_watchdog(cfg, grid)
-        _set_threads(grid)
-        hold_memory_budget(cfg, family, grid, checks.read_facts, watchdog)  # parallel.memory_limit: checked, held
-        trainer = Trainer(cfg, family, grid, checks, on_start=save_config, regrid=regrid)
-        if watchdog is not None:  # a write in flight ends before a failure ends the process (bounded)
-            watchdog.before_exit = lambda: trainer.writer.drain(min(60.0, cfg.parallel.timeout_s))
-        summary = trainer.fit()
-    except BaseException as exc:  # noqa: BLE001 - every failure ends the job, loudly
-        _fail(exc, grid, watchdog)
-    if watchdog is not None:
-        watchdog.stop()  # before the barrier: nobody watches a peer that has left
-    parallel.destroy(cfg.parallel.timeout_s)  # waits for every rank before the group goes
-    return summary
+    if auto:
+        log.info("parallel.spatial=auto chose %s for %d ranks (parallel.plan)", "x".join(map(str, grid.spatial)),
+                 grid.world_size)
+    return grid
 
 
 def _set_threads(grid: Grid) -> None:
@@ -116,18 +136,15 @@ def _set_threads(grid: Grid) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(grid.local_size, 1)))
 
 
-def _settle_run_dir(cfg: JobConfig, grid: Grid, config_text: str | None) -> Callable[[], None]:
-    """Rank 0 applies the run-directory rule (``rundir.prepare``) before anything is
-    written; every rank takes rank 0's ``run.dir`` (a dated one may differ by a second)
-    or raises its refusal alike. Returns what saves ``config.yaml`` (rank 0), for the
-    trainer to call once a resume is known to proceed."""
-    from parallel import comm
-    from parallel.train.persist import rundir
-
-    answer: dict[str, str] = {"dir": cfg.run.dir}
+def _settle_run_dir(run_dir: str, resume: bool, overwrite: bool, grid: Grid) -> str:
+    """``run.dir`` as every rank takes it: rank 0 applies the run-directory rule
+    (``rundir.prepare``: refuse a used one, move it aside, or resume in it) before anything
+    is written, and every rank takes rank 0's answer (a dated one may differ by a second)
+    or raises its refusal alike."""
+    answer: dict[str, str] = {"dir": run_dir}
     if grid.rank == 0:
         try:
-            answer["note"] = rundir.prepare(cfg.run.dir, cfg.train.resume, cfg.run.overwrite)
+            answer["note"] = rundir.prepare(run_dir, resume, overwrite)
         except rundir.RunDirError as err:
             answer["error"] = str(err)
     if grid.world_size > 1:
@@ -135,18 +152,17 @@ def _settle_run_dir(cfg: JobConfig, grid: Grid, config_text: str | None) -> Call
         answer = json.loads(raw[0].decode())
     if "error" in answer:
         raise rundir.RunDirError(answer["error"])
-    cfg.run.dir = answer["dir"]
-    log.info("%s", answer["note"] if "note" in answer else cfg.run.dir)
-    return lambda: _save_config(cfg, grid, config_text)
+    log.info("%s", answer.get("note", answer["dir"]))
+    return answer["dir"]
 
 
-def _save_config(cfg: JobConfig, grid: Grid, config_text: str | None) -> None:
-    """Rank 0 writes ``run.dir/config.yaml``; a resumed run keeps the earlier session's
+def _save_config(run_dir: str, resume: bool, grid: Grid, config_text: str | None) -> None:
+    """Rank 0 writes ``run_dir/config.yaml``; a resumed run keeps the earlier session's
     as ``config.yaml.<k>`` when the settings differ."""
     if grid.rank == 0 and config_text is not None:
-        path = Path(cfg.run.dir) / "config.yaml"
+        path = Path(run_dir) / "config.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
-        if cfg.train.resume and path.is_file() and path.read_text(encoding="utf-8") != config_text:
+        if resume and path.is_file() and path.read_text(encoding="utf-8") != config_text:
             k = 1
             while path.with_name(f"config.yaml.{k}").exists():
                 k += 1
@@ -154,25 +170,24 @@ def _save_config(cfg: JobConfig, grid: Grid, config_text: str | None) -> None:
         path.write_text(config_text, encoding="utf-8")
 
 
-def _start_watchdog(cfg: JobConfig, grid: Grid) -> Watchdog | None:
-    """The watchdog of a multi-rank job; rank 0 writes ``run.dir/ranks.json`` (host, pid)."""
+def _start_watchdog(par: ParallelConfig, run_dir: str, grid: Grid) -> Watchdog | None:
+    """The watchdog of a multi-rank job (``par``: the parallel section's timeout and
+    heartbeat); rank 0 writes ``run_dir/ranks.json`` (host, pid)."""
     address = grid.store_address
     if grid.world_size == 1 or address is None:
         return None
-    from parallel.runtime.launch import init_count
-
     # the restart of torchrun's agent, and the job of a sweep run in these processes
     attempt = (f"{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
                f"/{init_count()}")
-    wd = Watchdog(grid.rank, grid.world_size, address, cfg.parallel.timeout_s, cfg.parallel.heartbeat_s,
+    wd = Watchdog(grid.rank, grid.world_size, address, par.timeout_s, par.heartbeat_s,
                   launcher=grid.launcher, namespace=f"spatialcnn/watchdog/{attempt}").start()
     if grid.rank == 0:
-        path = Path(cfg.run.dir) / "ranks.json"
+        path = Path(run_dir) / "ranks.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(wd.table(), indent=1), encoding="utf-8")
         log.info("watchdog on: a failed rank stops the job within about %gs (dead peer on this host, or a "
                  "reported error) or %gs (silent peer); ranks' hosts and pids in %s",
-                 cfg.parallel.heartbeat_s, cfg.parallel.timeout_s, path)
+                 par.heartbeat_s, par.timeout_s, path)
     return wd
 
 
@@ -194,7 +209,7 @@ def _fail(exc: BaseException, grid: Grid, watchdog: Watchdog | None) -> NoReturn
                 log.error("%s", exc)
         else:
             log.error("failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
-        parallel.destroy()
+        destroy()
         raise SystemExit(code) from exc
     if not user and not watchdog.blames_peer(exc):
         log.error("rank %d: %s: %s", grid.rank, type(exc).__name__, exc, exc_info=exc)

@@ -24,13 +24,12 @@ from parallel import comm
 from torch import nn
 
 from parallel.grid import Grid
-from parallel.job.config import JobConfig
+from parallel.job.config import TrainConfig
 from parallel.train.data import Batch
-from parallel.train.evaluate import autocast, compute_dtype
 from parallel.job.family import Family
 from parallel.train.gradnorm import clip_coefficient, global_grad_norm, read_host, scale_grads_
 from parallel.train.optim import Schedule
-from parallel.train.scaler import LossScaler
+from parallel.train.precision import LossScaler, autocast, compute_dtype
 from parallel.train.persist.state import Progress
 
 log = logging.getLogger("parallel.train")
@@ -105,34 +104,38 @@ class NonFiniteGuard:
 class TrainStep:
     """Forward, backward (accumulated over micro-batches) and update of one step.
 
-    ``model`` is the serial model (its parameter names), ``pmodel`` its parallel form.
+    ``train``: the job's train section (seed, accumulation, precision, clipping, the
+    non-finite test hook); ``model`` is the serial model (its parameter names), ``pmodel``
+    its parallel form; ``augment(fields, generator, grid)``: the family's augmentation of
+    the local batch (None: none).
     """
 
-    def __init__(self, cfg: JobConfig, family: Family, grid: Grid, model: nn.Module, pmodel: nn.Module,
+    def __init__(self, train: TrainConfig, family: Family, grid: Grid, model: nn.Module, pmodel: nn.Module,
                  optimizer: torch.optim.Optimizer, scaler: LossScaler | None, schedule: Schedule,
-                 progress: Progress, guard: NonFiniteGuard) -> None:
-        self.cfg, self.family, self.grid = cfg, family, grid
+                 progress: Progress, guard: NonFiniteGuard,
+                 augment: Callable[[dict, torch.Generator, Grid], dict] | None = None) -> None:
+        self.train, self.family, self.grid, self.augment = train, family, grid, augment
         self.model, self.pmodel, self.optimizer, self.scaler = model, pmodel, optimizer, scaler
         self.schedule, self.progress, self.guard = schedule, progress, guard
         self.lr = schedule.lr(progress.step)
-        self.inject = set(cfg.train.inject_nonfinite)
+        self.inject = set(train.inject_nonfinite)
         self.last_norm = 0.0  # the global gradient norm of the last step (before clipping)
         self.clipped = 0      # steps whose gradients were clipped
-        self.cast = compute_dtype(cfg.train.precision)
+        self.cast = compute_dtype(train.precision)
 
     def __call__(self, batch: Batch) -> torch.Tensor:
         """One step on this rank's ``batch``; the local loss (zero for a skipped update)."""
-        cfg, fam, grid = self.cfg, self.family, self.grid
+        fam, grid = self.family, self.grid
         fields = batch.fields
         if self.cast is not None:  # train.precision=fp64: the float32 samples in the model's dtype
             fields = {k: v.to(self.cast) if v.is_floating_point() else v for k, v in fields.items()}
-        if fam.augment is not None:
-            gen = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + self.progress.step)
-            fields = fam.augment(fields, gen, grid, cfg)
+        if self.augment is not None:
+            gen = torch.Generator().manual_seed(self.train.seed * 1_000_003 + self.progress.step)
+            fields = self.augment(fields, gen, grid)
         x, y = fields[fam.input_field], fields[fam.target_field]
         if batch.finite is not None:
             x, y = self.guard.drop_samples(x, y, batch.finite, grid)
-        accum = cfg.train.accum_steps
+        accum = self.train.accum_steps
         # tensor_split: always `accum` pieces (some may be empty after skipped samples),
         # so every rank runs the same collectives
         xs, ys = torch.tensor_split(x, accum), torch.tensor_split(y, accum)
@@ -141,7 +144,7 @@ class TrainStep:
         for i, (xm, ym) in enumerate(zip(xs, ys)):
             sync = contextlib.nullcontext() if i == accum - 1 else self.pmodel.no_sync()
             with sync:
-                with autocast(cfg.train.precision, grid.device):
+                with autocast(self.train.precision, grid.device):
                     out = self.pmodel(xm)
                 if len(ym):
                     loss = fam.loss(out, ym, grid) / accum
@@ -155,7 +158,7 @@ class TrainStep:
     def update(self, loss: torch.Tensor) -> bool:
         """Unscale (fp16), decide, clip and step, every decision from the global gradient
         norm (``parallel.train.gradnorm``), read on the host once; whether the update ran."""
-        cfg, params = self.cfg, list(self.pmodel.parameters())
+        params = list(self.pmodel.parameters())
         if self.progress.step + 1 in self.inject:
             inject_nonfinite(self.pmodel, self.grid)
         if self.scaler is not None:
@@ -171,7 +174,7 @@ class TrainStep:
         else:
             finite = self.guard.finite_step(self.model, norm, loss_f)
         if finite:
-            factor = clip_coefficient(norm, cfg.train.grad_clip)
+            factor = clip_coefficient(norm, self.train.grad_clip)
             if factor < 1.0:
                 self.clipped += 1
             scale_grads_(params, factor)

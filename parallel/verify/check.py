@@ -35,10 +35,10 @@ from parallel.layers.replicated import is_replicated
 from parallel.split.nested import tensors as _leaves
 from parallel.model.parallel_module import ParallelModule
 from parallel.partition import SplitError
-from parallel.model.trace import hooked, meta_copy, meta_forward
 from parallel.model.random_draws import DrawRecorder, SameStream, check_split_draws
 from parallel.split.scatter import scatter
 from parallel.verify.ops import describe_op
+from parallel.verify.probe import probe_shape
 
 log = logging.getLogger("parallel")
 
@@ -59,48 +59,6 @@ def custom_forwards(model: nn.Module) -> list[str]:
     the code ``parallelize`` cannot see (empty: verification has nothing to find)."""
     return [name or type(m).__name__ for name, m in model.named_modules()
             if not type(m).__module__.startswith("torch.nn") and not isinstance(m, SpatialMixin)]
-
-
-def _in_channels(model: nn.Module) -> int:
-    for m in model.modules():
-        if isinstance(getattr(m, "in_channels", None), int):
-            return int(m.in_channels)  # type: ignore[arg-type]
-    raise ValueError(f"cannot tell the input channels of {type(model).__name__}; pass a probe shape")
-
-
-def _downsampling(model: nn.Module, channels: int, reach: int | Sequence[int]) -> list[int]:
-    """Per dim, how much the network shrinks its input (a dry run on the meta device, on a
-    volume of ``reach`` voxels per dim, or of the shape ``reach``)."""
-    dims = [int(reach)] * 3 if isinstance(reach, int) else [int(r) for r in reach]
-    smallest = list(dims)
-
-    def seen(_name: str, _m: nn.Module, _inputs: Any, out: Any) -> None:
-        for t in _leaves(out):
-            if t.dim() == 5 and any(s > 1 for s in t.shape[2:]):
-                for a in range(3):
-                    smallest[a] = min(smallest[a], max(1, int(t.shape[a + 2])))
-
-    try:
-        dry = meta_copy(model)
-        with hooked(dry, seen):
-            meta_forward(dry, (channels, *dims))  # in the weights' dtype: fp64 models too
-    except Exception as err:  # noqa: BLE001 - any failure means: ask the user for the probe
-        raise ValueError(f"could not size a probe for {type(model).__name__} from a dry run on a "
-                         f"{'x'.join(map(str, dims))} volume ({type(err).__name__}: {err}); pass a probe shape "
-                         "(N, C, D, H, W) that the network accepts") from err
-    return [2 ** math.ceil(math.log2(n / s)) for n, s in zip(dims, smallest)]
-
-
-def probe_shape(model: nn.Module, grid: Grid, channels: int | None = None,
-                reach: int | Sequence[int] = 256) -> tuple[int, ...]:
-    """A small probe the network accepts: per dim, its total downsampling factor times
-    the split (at least 2), so its deepest level still has a voxel per block; one row per
-    data group. The factor comes from a dry run on the meta device (no memory, no work)
-    on a ``reach``-voxel cube, or on the volume ``reach`` (D, H, W) that the network was
-    built for."""
-    channels = _in_channels(model) if channels is None else channels
-    factors = _downsampling(model, channels, reach)
-    return (grid.data_size, channels, *(max(f * max(2, s), 4) for f, s in zip(factors, grid.spatial)))
 
 
 class _Recorder(TorchFunctionMode):

@@ -179,7 +179,7 @@ def sum_dtype(dtype: torch.dtype) -> torch.dtype:
     and added in low precision round boundary voxels up to three times, which a network of
     norms over few voxels amplifies (the self-check's network: 0.149 relative on the input
     gradient against 0.05 allowed, 0.015 summed in float32). A function of the dtype alone,
-    never of the device: a GPU runs the arithmetic the CPU tests prove (issue 23)."""
+    never of the device: a GPU runs the arithmetic the CPU tests prove."""
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 

@@ -1,98 +1,67 @@
-"""The checks of a job, in one pass: bad input stops the job with one clear message, up
-front, and the split model is proven against its serial self before the first step.
+"""What a training job decides and refuses before its first step, each refusal one clear
+message (``InputError``: exit 2, alike on every rank; ``docs/failures.md``).
 
-``JobChecks`` runs the phases in their order, each once:
+``parallel.train.lifecycle.train`` calls them in this order, each once, in plain calls:
 
-1. ``validate`` (``checks.config``): config values Hydra's types cannot check, before
-   any file is read or any process group started;
-2. ``samples`` (``checks.samples``, collective): the sample files of both splits, read
-   once (``SampleFacts``), each rank a share;
-3. ``fit`` (``checks.fit``): whether the network fits every volume it will see (crops,
-   windows, whole cases) and the split, traced on the meta device;
-4. ``verify`` (``checks.verify``): ``parallel.verify``, the split model against the
-   serial one on a probe.
-
-``lifecycle.train`` runs ``validate``; the ``Trainer`` the rest, in order. A phase called
-out of order is a bug (``RuntimeError``). Every check raises ``InputError`` alike on
-every rank (``checks.errors``): exit status 2, one message. See ``docs/failures.md``.
+1. ``before_grid(cfg, family)``, before any process group: the config's values
+   (``config``), the sample facts read once from the first training file (``samples``),
+   the network at the volume it trains on (``fit``) -> a ``JobPlan``. With
+   ``parallel.spatial=auto`` rank 0 chooses the split from that plan once the world is
+   known (``autosplit``);
+2. ``on_grid(plan, cfg, family, grid)``, collective: the sample files of both splits,
+   each rank a share (``samples``), and every crop, window and case against the network
+   and the split (``fit``) -> the plan, with every case's shape;
+3. ``budget.start``: the grid's predicted peak per rank against ``parallel.memory_limit``,
+   then (CPUs) the budget held while the job runs;
+4. once the model is built and converted, the split model against its serial self
+   (``equivalence``).
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
-from torch import nn
+import dataclasses
+from dataclasses import dataclass
 
 from parallel.grid import Grid
-from parallel.model.parallel_module import ParallelModule
-from parallel.train.checks import verify as split_check
-from parallel.train.checks.config import check_world, is_auto, train_volume, validate_config, window
-from parallel.job.errors import MAX_LISTED, ConfigError, InputError, quote_problems
-from parallel.train.checks.fit import Strides, check_cases, check_model, meta_trace
-from parallel.train.checks.samples import SampleFacts, check_data, read_facts
 from parallel.job.config import JobConfig
+from parallel.job.errors import ConfigError, InputError
 from parallel.job.family import Family
+from parallel.train.checks.config import Shape, is_auto, train_volume, validate_config, window
+from parallel.train.checks.fit import check_cases, check_model, check_volume
+from parallel.train.checks.samples import SampleFacts, check_data, read_facts
 
-__all__ = ["MAX_LISTED", "PHASES", "ConfigError", "InputError", "JobChecks", "SampleFacts", "Strides",
-           "check_cases", "check_data", "check_model", "check_world", "is_auto", "quote_problems", "meta_trace",
-           "read_facts", "train_volume", "validate_config", "window"]
-
-PHASES = ("validate", "samples", "fit", "verify")
-"""The phases of ``JobChecks``, in the order they run."""
+__all__ = ["ConfigError", "InputError", "JobPlan", "SampleFacts", "before_grid", "check_cases", "check_data",
+           "check_model", "is_auto", "on_grid", "read_facts", "train_volume", "validate_config", "window"]
 
 
-class JobChecks:
-    """One job's checks (see the module docstring); ``done`` lists the phases run so far."""
+@dataclass(frozen=True)
+class JobPlan:
+    """The facts a job starts from, found once and handed on: to the split's choice, the
+    readers, the model and the summary."""
 
-    def __init__(self, cfg: JobConfig, family: Family) -> None:
-        self.cfg, self.family = cfg, family
-        self.done: list[str] = []
-        self.facts: SampleFacts | None = None
-        self.volume: tuple[int, int, int] | None = None
+    facts: SampleFacts
+    """The samples: volume, channels, stored bytes; after ``on_grid``, every case's shape."""
+    volume: Shape
+    """What the network trains on: the crop, or the cases' volume (the first case's)."""
 
-    def _enter(self, phase: str) -> None:
-        want = PHASES[len(self.done)] if len(self.done) < len(PHASES) else "nothing"
-        if phase != want:
-            raise RuntimeError(f"job checks: '{phase}' called after {self.done or 'none'}; the order is "
-                               f"{' -> '.join(PHASES)}, each once")
-        self.done.append(phase)
 
-    def validate(self) -> None:
-        """Phase 1: ``ConfigError`` naming the first key whose value cannot work."""
-        self._enter("validate")
-        validate_config(self.cfg)
+def before_grid(cfg: JobConfig, family: Family) -> JobPlan:
+    """The checks that need no process group (every rank alike): ``ConfigError`` naming the
+    first key whose value cannot work; ``InputError`` for a training split without sample
+    files, or a network that cannot run at the volume it trains on."""
+    validate_config(cfg)
+    facts = read_facts(cfg.data, family)
+    volume = train_volume(cfg.data.crop, facts.volume)
+    check_volume(family, cfg.model, volume, facts.channels)
+    return JobPlan(facts, volume)
 
-    def read_facts(self) -> SampleFacts:
-        """The ``SampleFacts`` before the process group starts (``parallel.spatial=auto``:
-        rank 0 plans with them); read once, kept for ``samples``."""
-        if self.facts is None:
-            self.facts = read_facts(self.cfg, self.family)
-        return self.facts
 
-    def samples(self, grid: Grid) -> SampleFacts:
-        """Phase 2 (collective): both splits' files checked; the job's ``SampleFacts``, with
-        every case's shape."""
-        self._enter("samples")
-        self.facts = check_data(self.cfg, self.family, grid, self.facts)
-        return self.facts
-
-    def fit(self, grid: Grid) -> tuple[int, int, int]:
-        """Phase 3: every crop, window and case against the network and the split; the
-        volume the network trains on."""
-        self._enter("fit")
-        facts = self.facts
-        assert facts is not None  # set by samples
-        check_cases(self.cfg, self.family, grid, facts.channels, facts.train_shapes, facts.val_shapes)
-        self.volume = train_volume(self.cfg, facts.volume)
-        check_model(self.family, self.cfg.model, self.volume, facts.channels, grid, self.cfg.train)
-        return self.volume
-
-    def verify(self, model: nn.Module, parallelize: Callable[[], ParallelModule], grid: Grid) -> ParallelModule:
-        """Phase 4 (collective): ``parallelize()`` converts the serial ``model``; the result
-        checked against a copy of the serial network kept before (``parallel.verify``)."""
-        self._enter("verify")
-        assert self.facts is not None and self.volume is not None  # set by samples and fit
-        serial = split_check.serial_copy(self.cfg, model, grid)  # before parallelize converts the model
-        pmodel = parallelize()
-        split_check.run(serial, pmodel, self.cfg, grid, self.volume, self.facts.channels)
-        return pmodel
+def on_grid(plan: JobPlan, cfg: JobConfig, family: Family, grid: Grid) -> JobPlan:
+    """The checks that need the grid (collective): both splits' files, each rank a share,
+    and every crop, window and case against the network and the split; the plan with
+    every case's shape."""
+    facts = check_data(cfg.data, cfg.model, family, grid, plan.facts)
+    check_cases(cfg, family, grid, facts.channels, facts.train_shapes, facts.val_shapes)
+    check_model(family, cfg.model, plan.volume, facts.channels, grid,
+                local_batch=cfg.train.global_batch_size // max(1, grid.data_size * cfg.train.accum_steps))
+    return dataclasses.replace(plan, facts=facts)

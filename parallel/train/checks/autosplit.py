@@ -11,8 +11,10 @@ from typing import Any
 import torch
 
 from parallel import plan
-from parallel.runtime.memory import parse_bytes
-from parallel.train.checks import SampleFacts
+from parallel.job.config import ParallelConfig
+from parallel.runtime.memory import parse_bytes, resident_bytes
+from parallel.train.checks.config import train_volume
+from parallel.train.checks.samples import SampleFacts
 
 log = logging.getLogger("parallel")
 
@@ -33,10 +35,9 @@ def world_size_from_env(env: dict[str, str] | None = None) -> int:
     return 1
 
 
-def memory_limit_bytes(cfg: Any) -> float | None:
-    """``parallel.memory_limit`` in bytes (None when unset); a value that is neither a
-    number of bytes nor a size such as ``3GiB`` is a ``ValueError`` naming the key."""
-    value = cfg.parallel.memory_limit
+def memory_limit_bytes(value: Any) -> float | None:
+    """``parallel.memory_limit`` (``value``) in bytes (None when unset); a value that is
+    neither a number of bytes nor a size such as ``3GiB`` is a ``ValueError`` naming the key."""
     if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
         return None
     try:
@@ -48,32 +49,18 @@ def memory_limit_bytes(cfg: Any) -> float | None:
     return limit
 
 
-def _memory_per_rank(cfg: Any, local_size: int) -> float:
-    """What ``auto`` plans for: the budget, else ``device_memory_gb``, else the GPU's
-    memory, else the host's memory over the ranks sharing it."""
-    limit = memory_limit_bytes(cfg)
+def _memory_per_rank(par: ParallelConfig, local_size: int) -> float:
+    """What ``auto`` plans for (``par``: the parallel section): the budget, else
+    ``device_memory_gb``, else the GPU's memory, else the host's memory over the ranks
+    sharing it."""
+    limit = memory_limit_bytes(par.memory_limit)
     if limit is not None:
         return limit
-    if cfg.parallel.device_memory_gb > 0:
-        return cfg.parallel.device_memory_gb * 1e9
+    if par.device_memory_gb > 0:
+        return par.device_memory_gb * 1e9
     if torch.cuda.is_available():
         return float(torch.cuda.get_device_properties(0).total_memory)
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(local_size, 1)
-
-
-def resident_bytes() -> int:
-    """This process's resident memory now (Linux ``VmRSS``; 0 where it cannot be read)."""
-    try:
-        with open("/proc/self/statm", encoding="ascii") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def train_volume(cfg: Any, facts: SampleFacts) -> tuple[int, int, int]:
-    """The volume the network trains on: the crop, else the samples'."""
-    v = cfg.data.crop if cfg.data.crop is not None else facts.volume
-    return tuple(int(n) for n in v)  # type: ignore[return-value]
 
 
 def job_plan(cfg: Any, family: Any, facts: SampleFacts,
@@ -83,7 +70,7 @@ def job_plan(cfg: Any, family: Any, facts: SampleFacts,
     On CPUs the machine's runtime baseline is this process's resident memory now plus what
     its first step adds (``FIRST_STEP_BYTES``): the imports, the process group and the
     config are already here and measured, not guessed; on GPUs it stays the machine's."""
-    volume = train_volume(cfg, facts)
+    volume = train_volume(cfg.data.crop, facts.volume)
     with torch.device("meta"):
         model = family.build_model(cfg.model, volume)
     layers = plan.trace(model, (facts.channels, *volume))
@@ -120,8 +107,8 @@ def auto_spatial(cfg: Any, family: Any, facts: SampleFacts, world_size: int | No
     if machine.generic:
         log.warning("parallel.spatial=auto: no calibration at %s; planning with %s (or point "
                     "SPATIALCNN_CALIBRATION at one)", plan.default_calibration(), machine.label)
-    limit = _memory_per_rank(cfg, local_size)
-    if memory_limit_bytes(cfg) is not None:
+    limit = _memory_per_rank(cfg.parallel, local_size)
+    if memory_limit_bytes(cfg.parallel.memory_limit) is not None:
         rows = plan.table(layers, machine, world, limit, opts)
         if rows and not any(r["fits"] for r in rows):
             low = min(rows, key=lambda r: r["memory_bytes"])

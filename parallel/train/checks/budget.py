@@ -18,8 +18,8 @@ killer (which leaves no word of which rank, or why).
   failure path of every rank: the others stop naming it) and exits 2, or alone simply
   exits 2. Exit 2 as for other config errors: the same job with the same budget would
   fail again; raise the budget or split further.
-- ``summary_fields`` puts the budget and the prediction beside the measured peaks in the
-  run's summary.
+- ``Budget.summary_fields`` puts the budget and the prediction beside the measured peaks
+  in the run's summary.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.job.errors import InputError
+from parallel.runtime.memory import resident_bytes
 
 log = logging.getLogger("parallel.train")
 
@@ -93,6 +94,21 @@ class Budget:
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
+    def summary_fields(self, peaks: Sequence[float]) -> dict[str, Any]:
+        """The budget and the prediction beside every rank's measured peak (``peaks``:
+        bytes), for the run's summary."""
+        if self.tripped is not None:  # the watch is ending the job: the run did not end within its budget
+            raise self.tripped
+        out: dict[str, Any] = {"memory_limit_bytes": int(self.limit), "predicted_peak_memory_bytes": None}
+        if self.predicted is None:
+            return out
+        out["predicted_peak_memory_bytes"] = int(self.predicted)
+        out["peak_memory_over_predicted_per_rank"] = [round(float(p) / self.predicted, 4) for p in peaks]
+        top = max(peaks) if len(peaks) else 0.0
+        log.info("peak memory per rank: measured up to %.0f MiB, predicted %.0f MiB (%+.1f%%), budget %.0f MiB",
+                 top / 2**20, self.predicted / 2**20, 100 * (top / self.predicted - 1), self.limit / 2**20)
+        return out
+
     def stop(self) -> None:
         """Stop watching (the job ended; a later job in this process starts its own)."""
         self._stop.set()
@@ -105,16 +121,17 @@ _ACTIVE: list[Budget] = []
 a sweep, the test pool); ``start`` replaces it."""
 
 
-def job_budget(cfg: Any, device: torch.device) -> tuple[float | None, str]:
-    """(bytes, where they come from): ``parallel.memory_limit``, else a GPU's memory, else None."""
+def job_budget(memory_limit: Any, device: torch.device) -> tuple[float | None, str]:
+    """(bytes, where they come from): ``parallel.memory_limit`` (``memory_limit``), else a
+    GPU's memory, else None."""
     from parallel.train.checks.autosplit import memory_limit_bytes
 
     try:
-        limit = memory_limit_bytes(cfg)
+        limit = memory_limit_bytes(memory_limit)
     except ValueError as err:
         raise InputError(str(err)) from None
     if limit is not None:
-        return limit, f"parallel.memory_limit={cfg.parallel.memory_limit}"
+        return limit, f"parallel.memory_limit={memory_limit}"
     if device.type == "cuda":
         return float(torch.cuda.get_device_properties(device).total_memory), "the GPU's memory"
     return None, ""
@@ -148,19 +165,17 @@ def _decide(cfg: Any, family: Any, grid: Any, facts: Any, limit: float, source: 
 
 def start(cfg: Any, family: Any, grid: Any, facts: Any, watchdog: Any = None) -> Budget | None:
     """Check this job's grid against its budget (``MemoryBudgetError`` on every rank if it
-    does not fit) and, on CPUs, hold the budget while the job runs. Collective. ``facts``:
-    the sample facts, or what reads them (the job's checks, which read them once)."""
+    does not fit) and, on CPUs, hold the budget while the job runs. Collective. ``cfg``:
+    the job, as the planner predicts it; ``facts``: its ``SampleFacts``."""
     for old in _ACTIVE:
         old.stop()
     _ACTIVE.clear()
-    limit, source = job_budget(cfg, grid.device)
+    limit, source = job_budget(cfg.parallel.memory_limit, grid.device)
     if limit is None:
         return None
     verdict: dict[str, Any] = {}
     if grid.rank == 0:
         try:
-            if callable(facts):
-                facts = facts()
             verdict = _decide(cfg, family, grid, facts, limit, source)
         except InputError as err:  # the data's own error: the trainer's checks report it alike
             verdict = {"input_error": str(err)}
@@ -197,8 +212,6 @@ def start(cfg: Any, family: Any, grid: Any, facts: Any, watchdog: Any = None) ->
 def _hold(budget: Budget, world: Any, watchdog: Any) -> None:
     """The CPU rank's watch: its resident memory against the budget until the job's process
     group goes (or ``stop``); over it, the job ends naming this rank, the budget and the peak."""
-    from parallel.train.checks.autosplit import resident_bytes
-
     while not budget._stop.wait(POLL_S):
         if world is not None and (not dist.is_initialized() or dist.group.WORLD is not world):
             return  # this job's process group is gone: its end (or failure) is under way
@@ -221,23 +234,3 @@ def _hold(budget: Budget, world: Any, watchdog: Any) -> None:
             handler.flush()
         time.sleep(0.1)
         os._exit(EXIT_OVER_BUDGET)
-
-
-def summary_fields(peaks: Sequence[float]) -> dict[str, Any]:
-    """The budget and the prediction beside every rank's measured peak (``peaks``: bytes),
-    for the run's summary; nothing without a budget."""
-    if not _ACTIVE or (_ACTIVE[0].world is not None and dist.is_initialized()
-                       and dist.group.WORLD is not _ACTIVE[0].world):
-        return {}  # no budget, or an earlier job's (this process ran it before the job at hand)
-    b = _ACTIVE[0]
-    if b.tripped is not None:  # the watch is ending the job: the run did not end within its budget
-        raise b.tripped
-    out: dict[str, Any] = {"memory_limit_bytes": int(b.limit), "predicted_peak_memory_bytes": None}
-    if b.predicted is None:
-        return out
-    out["predicted_peak_memory_bytes"] = int(b.predicted)
-    out["peak_memory_over_predicted_per_rank"] = [round(float(p) / b.predicted, 4) for p in peaks]
-    top = max(peaks) if len(peaks) else 0.0
-    log.info("peak memory per rank: measured up to %.0f MiB, predicted %.0f MiB (%+.1f%%), budget %.0f MiB",
-             top / 2**20, b.predicted / 2**20, 100 * (top / b.predicted - 1), b.limit / 2**20)
-    return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from parallel.job.errors import ConfigError
-from parallel.job.config import JobConfig, OptimConfig, ScheduleConfig
+from parallel.job.config import EvalConfig, JobConfig, OptimConfig, ScheduleConfig
 
 Shape = tuple[int, int, int]
 
@@ -100,7 +100,7 @@ def _validate_crop_and_eval(cfg: JobConfig) -> None:
         raise ConfigError(f"eval.window={list(ev.window)}: want three positive sizes [D, H, W] or null")
     if not 0.0 <= ev.overlap < 1.0:
         raise ConfigError(f"eval.overlap={ev.overlap}: want 0 <= overlap < 1")
-    if str(ev.mode) == "sliding" and window(cfg) is None:
+    if str(ev.mode) == "sliding" and window(cfg.eval, cfg.data.crop) is None:
         raise ConfigError("eval.mode=sliding needs a window: set eval.window=[D,H,W] or data.crop=[D,H,W] "
                           "(the reference's window is the crop), or eval.mode=whole")
     if ev.start_epoch < 0:
@@ -108,7 +108,7 @@ def _validate_crop_and_eval(cfg: JobConfig) -> None:
     if str(ev.mode) == "sliding":
         from parallel.infer.windows import plan_windows
 
-        w = window(cfg)
+        w = window(cfg.eval, cfg.data.crop)
         try:
             plan_windows(w, w, ev.overlap)  # type: ignore[arg-type]
         except ValueError as err:
@@ -127,24 +127,14 @@ def _validate_kfac(cfg: JobConfig) -> None:
                           "preconditioned gradients (b = m b + g; p -= lr b); set optim.momentum_form=torch")
 
 
-def check_world(spatial: Sequence[int], world_size: int) -> None:
-    """``ConfigError`` when ``parallel.spatial`` does not divide the world."""
-    size = 1
-    for s in spatial:
-        size *= int(s)
-    if world_size % size:
-        sd, sh, sw = (int(s) for s in spatial)
-        raise ConfigError(f"parallel.spatial=[{sd},{sh},{sw}] needs a multiple of {size} ranks, the job has "
-                          f"{world_size}: data x spatial({sd}x{sh}x{sw}) cannot equal {world_size}")
-
-
-def window(cfg: JobConfig) -> Shape | None:
-    """The sliding window of the job's evaluation: ``eval.window``, else the crop."""
-    w = cfg.eval.window if cfg.eval.window is not None else cfg.data.crop
+def window(ev: EvalConfig, crop: Sequence[int] | None) -> Shape | None:
+    """The sliding window of the job's evaluation: ``eval.window``, else the crop (``data.crop``)."""
+    w = ev.window if ev.window is not None else crop
     return tuple(int(v) for v in w) if w is not None else None  # type: ignore[return-value]
 
 
-def train_volume(cfg: JobConfig, volume: Sequence[int]) -> Shape:
-    """The volume the network trains on: the crop, or the cases' (``volume``: the first case's)."""
-    v = cfg.data.crop if cfg.data.crop is not None else volume
+def train_volume(crop: Sequence[int] | None, volume: Sequence[int]) -> Shape:
+    """The volume the network trains on: the crop (``data.crop``), or the cases'
+    (``volume``: the first case's)."""
+    v = crop if crop is not None else volume
     return tuple(int(n) for n in v)  # type: ignore[return-value]

@@ -16,9 +16,11 @@ gathered by ``checks.samples``) checks each of those volumes: the model's own ch
 (the U-Net wants multiples of its total stride), and for a spatial split that every
 strided layer's input is cut at multiples of its stride (the layers' condition for a
 split), that each split dim keeps a voxel per block, and that the reference's
-evaluation keeps something of each case. ``check_model`` checks the training volume: a
-network of the user's against the family's fields, batch norm against the samples per
-rank, and every layer's input and output along a split dim against its blocks.
+evaluation keeps something of each case. ``check_volume`` (before any process group)
+checks the training volume and a network of the user's against the family's fields;
+``check_model`` checks the training volume against the split: batch norm against the
+samples per rank, random draws, and every layer's input and output along a split dim
+against its blocks.
 Problems name the key or file and the sizes; ``InputError`` ends the job with exit 2.
 """
 
@@ -93,14 +95,11 @@ def meta_trace(family: Family, model_cfg: Any, volume: Sequence[int], channels: 
         raise InputError(f"the model ({family.name}, model config {model_cfg}) cannot run on {where}: {err}") from err
 
 
-def check_model(family: Family, model_cfg: Any, volume: Sequence[int], channels: int, grid: Grid,
-                train: Any = None) -> None:
-    """Raise ``InputError`` for a model/volume mismatch that would fail the first step,
-    naming the layer and the sizes: a norm layer left with one voxel per channel
-    (InstanceNorm on a 1x1x1 bottleneck; BatchNorm also with one sample per rank, from
-    ``train``, the ``TrainConfig``), a kernel or stride beyond what reaches the layer, and
-    a layer's input or output along a split dim with fewer voxels than blocks.
-    """
+def check_volume(family: Family, model_cfg: Any, volume: Sequence[int], channels: int) -> None:
+    """Before any process group: ``InputError`` when the network cannot run at the volume it
+    trains on (the model's own checks, a layer that cannot take its input, a norm layer left
+    with one voxel per channel), or a network of the user's does not fit the family's
+    fields (its input channels, its output against the target)."""
     try:
         model = meta_model(family, model_cfg, volume)
     except VolumeRefused as err:  # the model's own checks of its config against the volume
@@ -110,10 +109,24 @@ def check_model(family: Family, model_cfg: Any, volume: Sequence[int], channels:
             check_user_model(model, family, model_cfg, volume, channels)
         except ValueError as err:
             raise InputError(str(err)) from err
-    local_batch = None
-    if train is not None:
-        local_batch = max(1, train.global_batch_size // max(1, grid.data_size * train.accum_steps))
-    layers = meta_trace(family, model_cfg, volume, channels, local_batch, model=model)
+    meta_trace(family, model_cfg, volume, channels, model=model)
+
+
+def check_model(family: Family, model_cfg: Any, volume: Sequence[int], channels: int, grid: Grid,
+                local_batch: int | None = None) -> None:
+    """Raise ``InputError`` for a model/volume/split mismatch that would fail the first step,
+    naming the layer and the sizes: a norm layer left with one voxel per channel
+    (InstanceNorm on a 1x1x1 bottleneck; BatchNorm also with ``local_batch`` samples per
+    rank), a kernel or stride beyond what reaches the layer, random draws shaped like the
+    split volume, and a layer's input or output along a split dim with fewer voxels than
+    blocks.
+    """
+    try:
+        model = meta_model(family, model_cfg, volume)
+    except VolumeRefused as err:  # the model's own checks of its config against the volume
+        raise InputError(f"{family.name} model: {err}") from err
+    layers = meta_trace(family, model_cfg, volume, channels, max(1, local_batch) if local_batch else None,
+                        model=model)
     if layers is None or grid.spatial_size == 1:
         return
     check_random_draws(model, (channels, *volume), grid.spatial, InputError)  # noise shaped like the split volume
@@ -207,7 +220,7 @@ def check_cases(cfg: JobConfig, family: Family, grid: Grid, channels: int, train
     problems: list[str] = []
     crop = cfg.data.crop
     if crop is not None:
-        problems += strides.problems(train_volume(cfg, crop), f"data.crop={list(crop)}")
+        problems += strides.problems(train_volume(crop, crop), f"data.crop={list(crop)}")
         if cfg.data.oversampling > 0 and not family.crop_boxes:
             problems.append(f"data.oversampling={cfg.data.oversampling}: {family.name}'s sample files store no "
                             "foreground boxes to place crops around; set data.oversampling=0 (uniform crops)")
@@ -233,7 +246,7 @@ def check_cases(cfg: JobConfig, family: Family, grid: Grid, channels: int, train
 def _sliding(cfg: JobConfig, grid: Grid, strides: Strides, val: Cases) -> list[str]:
     from parallel.infer.windows import kept_range
 
-    w = window(cfg)
+    w = window(cfg.eval, cfg.data.crop)
     assert w is not None
     key = f"eval.window={list(w)}" if cfg.eval.window is not None else f"the sliding window (data.crop={list(w)})"
     problems = strides.problems(w, key)

@@ -19,6 +19,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -29,7 +30,7 @@ from parallel.grid import Grid
 from parallel.partition import SplitError
 from parallel.job.errors import InputError, quote_problems
 from parallel.train.checks.fit import weights_depend_on_volume
-from parallel.job.config import JobConfig
+from parallel.job.config import DataConfig
 from parallel.job.family import Family
 
 log = logging.getLogger("parallel.train")
@@ -61,17 +62,15 @@ class SampleFacts:
         return self.input_itemsize * self.channels
 
 
-def read_facts(cfg: JobConfig, family: Family, first: Path | None = None, key: str = "data.train_subdir"
+def read_facts(data: DataConfig, family: Family, first: Path | None = None, key: str = "data.train_subdir"
                ) -> SampleFacts:
-    """The ``SampleFacts`` of the job, from ``first`` (default: the first training file)."""
-    spec = family.trained_spec(crops=cfg.data.crop is not None and cfg.data.oversampling > 0)
+    """The ``SampleFacts`` of the job (``data``: its data section), from ``first`` (default:
+    the first training file)."""
+    spec = family.trained_spec(crops=data.crop is not None and data.oversampling > 0)
     field = spec[family.input_field]
     if first is None:
-        root = Path(cfg.data.dir) / cfg.data.train_subdir
-        files = sample_files(root) if root.is_dir() else []
-        if not files:
-            raise InputError(f"{key}: no sample files under {root} (*.h5, *.hdf5)")
-        first = files[0]
+        key, root = _split_roots(data, family, ("train",))[0]
+        first = _files(root, key)[0][0]
     import h5py
 
     try:
@@ -87,6 +86,28 @@ def read_facts(cfg: JobConfig, family: Family, first: Path | None = None, key: s
                          "to take the volume from")
     volume = tuple(int(s) for s in shape)
     return SampleFacts(spec, volume, field.channels or 1, int(itemsize), Path(first))  # type: ignore[arg-type]
+
+
+def _split_roots(data: DataConfig, family: Family, splits: tuple[str, ...] = ("train", "val")
+                 ) -> list[tuple[str, Path]]:
+    """(key, directory) of the ``splits``; ``InputError`` saying how to make a data set
+    where ``data.dir`` or a split is missing or unreadable."""
+    root = Path(data.dir)
+    if not root.exists():
+        raise InputError(f"data.dir: {root} does not exist; generate a set with {family.prepare_hint(data.dir)} "
+                         "or point data.dir at one")
+    if not root.is_dir() or not os.access(root, os.R_OK | os.X_OK):
+        _readable_dir(root, "data.dir")
+    roots = []
+    for split in splits:
+        sub = data.train_subdir if split == "train" else data.val_subdir
+        path = root / sub
+        if not path.exists():
+            raise InputError(
+                f"data.dir={data.dir!r} has no {sub}/ directory ({path}); generate a set with "
+                f"{family.prepare_hint(data.dir)} or point data.dir at one")
+        roots.append((f"data.{split}_subdir", path))
+    return roots
 
 
 def _readable_dir(path: Path, key: str) -> None:
@@ -119,41 +140,30 @@ def _files(root: Path, key: str) -> tuple[list[Path], dict[str, int]]:
     return files, counts
 
 
-def check_data(cfg: JobConfig, family: Family, grid: Grid, facts: SampleFacts | None = None) -> SampleFacts:
+def check_data(data: DataConfig, model_cfg: Any, family: Family, grid: Grid,
+               facts: SampleFacts | None = None) -> SampleFacts:
     """Check both splits' files (collective; each rank a share); the job's ``SampleFacts``
-    (``facts`` if already read, else read here from the first training file).
+    (``facts`` if already read, else read here from the first training file). ``data``:
+    the job's data section; ``model_cfg``: its model section (whether the network's
+    weights fix the volume every case must have).
 
     Raises ``InputError`` on every rank, quoting the first problems with their files.
     """
-    mode = str(cfg.data.check)
-    splits = [("train", cfg.data.train_subdir), ("val", cfg.data.val_subdir)]
-    root = Path(cfg.data.dir)
-    if not root.exists():
-        raise InputError(f"data.dir: {root} does not exist; generate a set with {family.prepare_hint(cfg.data.dir)} "
-                         "or point data.dir at one")
-    if not root.is_dir() or not os.access(root, os.R_OK | os.X_OK):
-        _readable_dir(root, "data.dir")
-    roots = []
-    for split, sub in splits:
-        path = root / sub
-        if not path.exists():
-            raise InputError(
-                f"data.dir={cfg.data.dir!r} has no {sub}/ directory ({path}); generate a set with "
-                f"{family.prepare_hint(cfg.data.dir)} or point data.dir at one")
-        roots.append((f"data.{split}_subdir", path))
+    mode = str(data.check)
+    roots = _split_roots(data, family)
     listed = [(key, path, *_files(path, key)) for key, path in roots]
     if facts is None:
-        facts = read_facts(cfg, family, listed[0][2][0], listed[0][0])
+        facts = read_facts(data, family, listed[0][2][0], listed[0][0])
     spec, volume = facts.spec, facts.volume
     try:
-        if cfg.data.crop is None:  # crops are checked against the split instead (checks.fit)
+        if data.crop is None:  # crops are checked against the split instead (checks.fit)
             grid.block_range(volume)
     except SplitError as err:
         raise InputError(f"parallel.spatial={list(grid.spatial)} cannot split the volume {list(volume)} of "
                          f"{listed[0][1]}: {err}") from err
     problems: list[str] = []
     # cases may differ in shape, unless the network's weights fix its volume
-    one_volume = volume if cfg.data.crop is None and weights_depend_on_volume(family, cfg.model, volume) else None
+    one_volume = volume if data.crop is None and weights_depend_on_volume(family, model_cfg, volume) else None
     every = [(p, counts.get(p.name), split) for split, (_, _, files, counts) in enumerate(listed) for p in files]
     shapes: list[str] = []  # "split path D H W" of this rank's share: every case has its own shape
     for i in range(grid.rank, len(every), grid.world_size):
@@ -168,7 +178,7 @@ def check_data(cfg: JobConfig, family: Family, grid: Grid, facts: SampleFacts | 
             shapes.append(json.dumps([split, str(path), list(shape)]))
     problems = _gather_lines(problems, grid)
     if problems:
-        raise InputError(quote_problems(f"problem(s) in the sample files of data.dir={cfg.data.dir!r}", problems,
+        raise InputError(quote_problems(f"problem(s) in the sample files of data.dir={data.dir!r}", problems,
                                 f"\n`{family.prepare or 'the prepare command'} check DIR` lists every problem"))
     found_shapes: list[tuple[tuple[str, tuple[int, int, int]], ...]] = [(), ()]
     for line in sorted(_gather_lines(shapes, grid), key=lambda t: (json.loads(t)[0], json.loads(t)[1])):

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from parallel.train.observe.events import Observer
+
 log = logging.getLogger("parallel.train")
 
 
@@ -27,8 +29,9 @@ def trace_path(run_dir: str | Path, rank: int) -> Path:
     return Path(run_dir) / "profile" / f"rank{rank}.json"
 
 
-class StepProfiler:
-    """``step()`` after every training step; ``close()`` at the end (writes a trace cut short)."""
+class StepProfiler(Observer):
+    """An observer of the run: ``step()`` after every training step; ``close()`` at the end
+    (writes a trace cut short)."""
 
     def __init__(self, steps: int, run_dir: str, rank: int, device: torch.device) -> None:
         self.path = trace_path(run_dir, rank)
@@ -64,3 +67,9 @@ class StepProfiler:
                         "holds what ran", self.steps, self.seen, self.steps)
         self.prof.stop()  # a recording cut short is written by the profiler's trace handler
         self.prof = None
+
+    def step_end(self, progress: Any, loss: Any, stats: Any) -> None:
+        self.step()
+
+    def run_end(self, end: Any) -> None:
+        self.close()

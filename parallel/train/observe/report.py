@@ -1,8 +1,11 @@
-"""What a run tells: the logger, metrics.jsonl, TensorBoard, the progress bar, the summary.
+"""What a run tells as it goes: the logger, metrics.jsonl, TensorBoard and the progress bar.
 
-Rank 0 writes the files; per-rank numbers (peak memory, bytes read, data wait) are
-gathered from every rank at each log step (one small all-gather) so rank 0 can record
-them all. ``run.log_rank`` chooses which rank's logger speaks.
+``Reporter`` observes the run (``parallel.train.observe.events``): every ``run.log_every``
+steps (and at the last) a ``train`` row with the loss (averaged over data groups), the
+learning rate, throughput, data waiting and the step-time breakdown; after every
+evaluation an ``eval`` row. Rank 0 writes the files; per-rank numbers (peak memory, bytes
+read, data wait) are gathered from every rank at each log step (one small all-gather) so
+rank 0 can record them all. ``run.log_rank`` chooses which rank's logger speaks.
 """
 
 from __future__ import annotations
@@ -11,21 +14,19 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from parallel import comm
 
 from parallel.grid import Grid
-from parallel.runtime.memory import peak_rss_bytes
-from parallel.train.checks.budget import summary_fields as memory_budget_fields
 from parallel.job.config import RunConfig
-from parallel.train.observe.steptime import format_line as step_time_line
+from parallel.train.observe.events import Observer, RunClock, RunEnd
+from parallel.train.observe.steptime import StepTimes
+from parallel.train.observe.summary import PER_RANK, data_mean, per_rank
 
 log = logging.getLogger("parallel.train")
-
-PER_RANK = ("peak_memory_bytes", "bytes_read", "data_wait_seconds", "samples_read", "peak_reserved_bytes")
 
 
 class _BarAwareHandler(logging.StreamHandler):
@@ -56,53 +57,24 @@ def setup_logging(cfg: RunConfig, rank: int) -> None:
     logger.setLevel(getattr(logging, cfg.log_level.upper(), logging.INFO) if speaks else logging.WARNING)
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak device memory (CUDA) or peak resident set size of this process (CPU: Linux's
-    VmHWM; ``ru_maxrss`` would report the launcher's peak where that is larger, as it is
-    inherited across exec)."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return peak_rss_bytes()
+class Reporter(Observer):
+    """metrics.jsonl, TensorBoard and the progress bar (rank 0 writes; every rank takes part
+    in a log step's collectives).
 
+    ``total_steps``, ``steps_per_epoch``: the run's; ``start_step``: where this session
+    starts (a resumed run rewrites the rows it repeats); ``lr()``: the current learning
+    rate; ``metric_name``, ``target``: the family's metric and the run's target;
+    ``global_batch``: samples per step; ``io_start``: the reading counters at the start.
+    """
 
-def peak_reserved_bytes(device: torch.device) -> int:
-    """Peak memory the process held, beside the live tensors' peak: CUDA's caching
-    allocator reserves more than it hands out (fragmentation, cached blocks), and that is
-    what an out-of-memory error counts; on the CPU the resident peak (as above)."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_reserved(device))
-    return peak_memory_bytes(device)
-
-
-def reset_peak_memory(device: torch.device) -> bool:
-    """Start the peaks afresh (after the start-up checks: the float64 verification's copies
-    of the model are not training's memory). CUDA: the allocator's peak statistics; CPU:
-    VmHWM back to the resident size (``5`` into ``/proc/self/clear_refs``). False where
-    the system does not allow it (the peak then includes the start-up)."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return True
-    try:
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def gather_per_rank(values: list[float], grid: Grid) -> torch.Tensor:
-    """(world, len(values)) float64 of every rank's numbers, on every rank."""
-    mine = torch.tensor(values, dtype=torch.float64, device=grid.device)
-    if grid.world_size == 1:
-        return mine[None].cpu()
-    return torch.stack(comm.all_gather(mine, grid.world_group, caller="report.gather_per_rank")).cpu()
-
-
-class Reporter:
-    """metrics.jsonl, TensorBoard and the progress bar (rank 0); a no-op elsewhere."""
-
-    def __init__(self, cfg: RunConfig, grid: Grid, total_steps: int, start_step: int, resumed: bool) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: RunConfig, grid: Grid, total_steps: int, steps_per_epoch: int, start_step: int,
+                 resumed: bool, clock: RunClock, times: StepTimes, lr: Any, metric_name: str, target: float,
+                 global_batch: int, io_start: tuple[float, float, float]) -> None:
+        self.cfg, self.grid, self.total, self.spe = cfg, grid, total_steps, steps_per_epoch
+        self.clock, self.times, self.lr, self.metric_name, self.target = clock, times, lr, metric_name, target
+        self.global_batch, self.io_start = global_batch, io_start
+        self.best: float | None = None
+        self._loss_sum, self._loss_n, self._n_log, self._t_log = torch.zeros((), device=grid.device), 0, 0, 0.0
         self.active = grid.rank == 0
         self.dir = Path(cfg.dir)
         self.writer = None
@@ -125,6 +97,42 @@ class Reporter:
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
                             mininterval=1.0, file=sys.stderr, desc="train")
 
+    # -- the run's events --------------------------------------------------------------
+    def run_start(self, progress: Any) -> None:
+        self.best = progress.best
+        self._t_log = time.perf_counter()
+
+    def step_end(self, progress: Any, loss: torch.Tensor, stats: Any) -> None:
+        self._loss_sum += loss
+        self._loss_n += 1
+        self._n_log += 1
+        step = progress.step
+        if step % self.cfg.log_every and step != self.total:
+            return
+        mean_loss = data_mean(self._loss_sum / max(self._loss_n, 1), self.grid)
+        dt = time.perf_counter() - self._t_log
+        values = {"loss": mean_loss, "lr": self.lr(),
+                  "samples_per_s": self._n_log * self.global_batch / max(dt, 1e-9),
+                  "data_wait_s": float(stats.wait_seconds), "elapsed_s": self.clock.now(),
+                  **self.times.log_values()}
+        self.record("train", step, step / self.spe, values, per_rank(progress.io, self.io_start, self.grid))
+        self.progress(step, {"loss": mean_loss, "lr": self.lr(),
+                             self.metric_name: self.best if self.best is not None else "-"})
+        self._loss_sum, self._loss_n, self._n_log = torch.zeros((), device=self.grid.device), 0, 0
+        self._t_log = time.perf_counter()
+
+    def evaluated(self, progress: Any, epoch_num: int, values: dict[str, Any]) -> None:
+        metric = values[f"val_{self.metric_name}"]
+        self.best = progress.best
+        self.record("eval", progress.step, progress.step / self.spe, values)
+        self.progress(progress.step, {self.metric_name: metric, "best": progress.best})
+        log.info("step %d epoch %d: val loss %.5f, %s %.5f (target %s)", progress.step, progress.epoch,
+                 values["val_loss"], self.metric_name, metric, self.target)
+
+    def run_end(self, end: RunEnd) -> None:
+        self.close()
+
+    # -- writing ---------------------------------------------------------------------------
     def record(self, kind: str, step: int, epoch: float, values: dict[str, Any],
                per_rank: torch.Tensor | None = None) -> None:
         """One metrics.jsonl object and its TensorBoard scalars."""
@@ -177,60 +185,3 @@ def _truncate_jsonl(path: Path, keep_until_step: int) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(kept), encoding="utf-8")
     os.replace(tmp, path)
-
-
-def summarize(grid: Grid, values: dict[str, Any], per_rank: torch.Tensor, samples_trained: int) -> dict[str, Any]:
-    """The final summary: time to target, throughput, per-rank memory and bytes per sample."""
-    out = dict(values)
-    out["peak_memory_bytes_per_rank"] = [int(v) for v in per_rank[:, 0].tolist()]
-    if per_rank.shape[1] > 4:
-        out["peak_reserved_bytes_per_rank"] = [int(v) for v in per_rank[:, 4].tolist()]
-    read = per_rank[:, 1]
-    samples = per_rank[:, 3].clamp(min=1)
-    out["bytes_read_per_rank"] = [int(v) for v in read.tolist()]
-    out["bytes_read_per_rank_per_sample"] = [float(v) for v in (read / samples).tolist()]
-    out["data_wait_seconds_per_rank"] = [round(float(v), 3) for v in per_rank[:, 2].tolist()]
-    out["grid"] = {"world": grid.world_size, "data": grid.data_size, "spatial": list(grid.spatial)}
-    out["samples_trained"] = samples_trained
-    out.update(memory_budget_fields(out["peak_memory_bytes_per_rank"]))  # budget and prediction beside the peaks
-    return out
-
-
-def conv_paths(model: Any) -> dict[str, int]:
-    """How many split convolutions took each path at their last forward (``parallel.conv_path``:
-    ``shell`` or ``window``; ``auto`` resolves to one of them per layer)."""
-    out: dict[str, int] = {}
-    for m in model.modules():
-        path = getattr(m, "path_chosen", None)
-        if path is not None:
-            out[path] = out.get(path, 0) + 1
-    return out
-
-
-def format_summary(s: dict[str, Any]) -> str:
-    """A few human lines of the summary."""
-    mib = [f"{v / 2**20:.0f}" for v in s["peak_memory_bytes_per_rank"]]
-    per_sample = [f"{v / 2**10:.1f}" for v in s["bytes_read_per_rank_per_sample"]]
-    ttt = s.get("time_to_target_s")
-    why = {"success": "reached the target", "max_steps": "stopped at train.max_steps",
-           "completed": "completed train.epochs without reaching the target"}.get(s["status"], s["status"])
-    sess = s.get("session") or {}
-    resumed = f", resumed at step {sess['first_step']}" if sess.get("first_step") else ""
-    lines = [
-        f"status: {s['status']} ({why}) after {s['steps']} steps, {s['epochs']:.2f} epochs "
-        f"(grid data {s['grid']['data']} x spatial {s['grid']['spatial']}){resumed}",
-        f"{s['metric']}: {s.get('best_metric')} (target {s['target']})"
-        + (f", time to target {ttt:.1f} s" if ttt is not None else ", target not reached"),
-        f"this session: {sess.get('steps', s['steps'])} steps, {sess.get('samples', 0)} samples; train throughput "
-        f"{s['samples_per_s']:.2f} samples/s, run time {s['run_seconds']:.1f} s",
-        f"peak memory per rank (MiB): {', '.join(mib)} allocated"
-        + (f"; {', '.join(f'{v / 2**20:.0f}' for v in s['peak_reserved_bytes_per_rank'])} reserved"
-           if s.get("peak_reserved_bytes_per_rank") else ""),
-        f"bytes read per rank per sample (KiB): {', '.join(per_sample)}",
-    ]
-    breakdown = step_time_line(s)
-    if breakdown:
-        lines.append(breakdown)
-    if s.get("run_dir"):
-        lines.append(f"run.dir: {s['run_dir']}")
-    return "\n".join(lines)

@@ -1,10 +1,11 @@
-"""``parallel.verify`` in the training loop: the split model against its serial self, once,
+"""``parallel.verify`` in a training job: the split model against its serial self, once,
 before the first step.
 
 ``serial_copy`` keeps a copy of the serial network before ``parallelize`` converts it
 (None when nothing is to be verified); ``run`` compares the two on a small probe
-(``parallel.verify``), in float64 for a float32 network, and stops the job, on every rank alike, with ``SplitMismatch``
-(exit 2) naming the first module whose output differs and the likely cause.
+(``parallel.verify``), in float64 for a float32 network, and stops the job, on every rank
+alike, with ``SplitMismatch`` (exit 2) naming the first module whose output differs and
+the likely cause.
 
 ``parallel.verify=auto`` (the default) verifies when the grid splits samples in space and
 the network runs code ``parallelize`` cannot see (``custom_forwards``: any module whose
@@ -20,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import math
 import time
 from typing import Any, Iterator, Sequence
 
@@ -28,11 +28,10 @@ import torch
 from torch import nn
 
 from parallel.grid import Grid
-from parallel.model.parallel_module import ParallelModule
 from parallel.job.errors import InputError
-from parallel.job.usermodel import is_user_model
-from parallel.model.trace import meta_copy, meta_forward
-from parallel.verify import VerificationError, custom_forwards, probe_shape, verify
+from parallel.model.parallel_module import ParallelModule
+from parallel.verify import VerificationError, custom_forwards, verify
+from parallel.verify.probe import choose_probe
 
 log = logging.getLogger("parallel.train")
 
@@ -48,61 +47,25 @@ class SplitMismatch(InputError):
     """The split model's numbers differ from the serial model's on the probe."""
 
 
-def mode(cfg: Any) -> str:
+def mode(setting: Any) -> str:
     """``parallel.verify`` as ``auto``, ``true`` or ``false``."""
-    return str(cfg.parallel.verify).lower()
+    return str(setting).lower()
 
 
-def serial_copy(cfg: Any, model: nn.Module, grid: Grid) -> nn.Module | None:
-    """A copy of the serial ``model`` to verify against, or None when the job does not verify."""
-    how = mode(cfg)
+def serial_copy(setting: Any, model: nn.Module, grid: Grid, user_model: bool) -> nn.Module | None:
+    """A copy of the serial ``model`` to verify against, or None when the job does not
+    verify (``setting``: ``parallel.verify``; ``user_model``: a ``model._target_`` network)."""
+    how = mode(setting)
     if how == "false":
         return None
     if how == "auto":
         if grid.spatial_size == 1:
             return None  # nothing is split: the parallel model runs the serial layers
         custom = custom_forwards(model)
-        if not custom and not is_user_model(cfg.model):
+        if not custom and not user_model:
             log.debug("parallel.verify=auto: only torch.nn layers and containers, nothing to verify")
             return None
     return copy.deepcopy(model)
-
-
-def _accepts(model: nn.Module, shape: Sequence[int]) -> bool:
-    """Whether the network runs on one sample of ``shape`` (a dry run on the meta device, in
-    the weights' dtype: a float32 probe of a float64 model, train.precision=fp64, fails on its type)."""
-    try:
-        meta_forward(meta_copy(model), tuple(shape[1:]))
-    except Exception:  # noqa: BLE001 - any failure: not this probe
-        return False
-    return True
-
-
-def choose_probe(serial: nn.Module, grid: Grid, channels: int, volume: Sequence[int],
-                 whole_allowed: bool) -> tuple[tuple[int, ...] | None, str]:
-    """(the probe shape, how it was chosen) or (None, why there is none).
-
-    Sized from the network's downsampling (``parallel.verify.probe_shape``, dry runs on
-    the meta device); else one whole sample per data group when ``whole_allowed``.
-    """
-    whole = (grid.data_size, channels, *(int(v) for v in volume))
-    try:
-        small: tuple[int, ...] | None = probe_shape(serial, grid, channels, reach=tuple(volume))
-    except ValueError:
-        small = None
-    smaller = small is not None and math.prod(small[2:]) < math.prod(whole[2:])
-    if smaller and _accepts(serial, small):  # type: ignore[arg-type]
-        return small, "sized from the network"
-    if whole_allowed and _accepts(serial, whole):
-        why = "the network accepts no smaller probe" if smaller else \
-            "the network's downsampling times the split needs the whole volume"
-        return whole, f"one whole sample per data group: {why}"
-    if whole_allowed:
-        return None, (f"the network runs on no probe, not even one whole sample {list(whole[1:])} (a dry run on "
-                      f"the meta device failed)")
-    return None, (f"the network accepts no probe smaller than its training volume {list(volume)}, and a serial "
-                  f"forward and backward of a whole sample on every rank is more than auto spends (over "
-                  f"{PROBE_LIMIT} voxels); parallel.verify=true verifies on one")
 
 
 @contextlib.contextmanager
@@ -129,25 +92,26 @@ def _in_float64(serial: nn.Module, pmodel: ParallelModule) -> Iterator[None]:
             pmodel.sync.drop_buffers()
 
 
-def run(serial: nn.Module | None, pmodel: ParallelModule, cfg: Any, grid: Grid, volume: Sequence[int],
+def run(serial: nn.Module | None, pmodel: ParallelModule, setting: Any, seed: int, volume: Sequence[int],
         channels: int) -> dict[str, float] | None:
-    """Verify ``pmodel`` against ``serial`` (from ``serial_copy``; None: nothing to do).
+    """Verify ``pmodel`` against ``serial`` (from ``serial_copy``; None: nothing to do) on a
+    probe of one sample of ``channels`` x ``volume`` at most, drawn from ``seed``.
 
     Collective over the grid. Raises ``SplitMismatch`` (exit 2) where they differ;
     returns the largest relative differences, or None when skipped.
     """
     if serial is None:
         return None
-    how = mode(cfg)
-    whole_allowed = how == "true" or math.prod(int(v) for v in volume) <= PROBE_LIMIT
-    probe, chosen = choose_probe(serial, grid, channels, volume, whole_allowed)
+    how = mode(setting)
+    probe, chosen = choose_probe(serial, pmodel.grid, channels, volume, None if how == "true" else PROBE_LIMIT)
     if probe is None:
-        log.warning("parallel.verify=%s: skipped: %s", how, chosen)
+        hint = "; parallel.verify=true verifies on a whole sample" if how != "true" else ""
+        log.warning("parallel.verify=%s: skipped: %s%s", how, chosen, hint)
         return None
     t0 = time.perf_counter()
     try:
         with _in_float64(serial, pmodel):
-            report = verify(serial, pmodel, probe, seed=cfg.train.seed)
+            report = verify(serial, pmodel, probe, seed=seed)
     except VerificationError as err:
         failure = SplitMismatch(f"parallel.verify: {err} {OFF_HINT}.")
         # a split forward that raised may have raised on some ranks only: each says so itself

@@ -1,6 +1,7 @@
-"""The fp16 loss scaler, deciding from the global gradient norm.
+"""``train.precision``: the autocast a step and an evaluation run under, the dtype weights
+and samples take (fp64), and the fp16 loss scaler, deciding from the global gradient norm.
 
-torch's ``GradScaler`` decides on each rank alone whether a step overflowed (its
+The loss scaler: torch's ``GradScaler`` decides on each rank alone whether a step overflowed (its
 ``found_inf`` comes from the gradients that rank holds): a sharded Flatten+Linear weight's
 gradient differs per rank, so one rank could skip a step the others take, and rescale
 alone, and the replicas would part. ``LossScaler`` keeps torch's rules (start at 2^16,
@@ -12,9 +13,24 @@ any device (CPU fp16 autocast included), so the tests cover the GPU's arithmetic
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+import contextlib
+from typing import Any, ContextManager, Iterable
 
 import torch
+
+
+def autocast(precision: str, device: torch.device) -> ContextManager[Any]:
+    """The autocast context for ``train.precision`` (a no-op for fp32 and fp64)."""
+    if str(precision) in ("fp32", "fp64"):
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def compute_dtype(precision: str) -> torch.dtype | None:
+    """The dtype weights and samples are cast to for ``train.precision`` (fp64: float64);
+    None: they stay float32 (autocast rounds inside the forward)."""
+    return torch.float64 if str(precision) == "fp64" else None
 
 
 class LossScaler:
