@@ -29,8 +29,17 @@ import h5py
 from cosmoflow import convert
 from cosmoflow.fields import SPEC
 from cosmoflow.tfrecord import TFRecordError
-from parallel.data.cli import (add_write_args, convert_command, exit_cleanly, prepare_main, prepare_parser, run_split,
-                               split_dirs, synthetic_command, write_options)
+from parallel.data.cli import (
+    add_write_args,
+    convert_command,
+    exit_cleanly,
+    prepare_main,
+    prepare_parser,
+    run_split,
+    split_dirs,
+    synthetic_command,
+    write_options,
+)
 from parallel.data.jobs import Job
 
 

@@ -23,9 +23,9 @@ from torch import nn
 from parallel import verify  # parallel.verify.verify(serial, pmodel, probe): the check against serial
 from parallel.comm import all_reduce_sum, replicated_grad, spatial_sum
 from parallel.grid import Grid
-from parallel.model.parallelize import parallelize as _split_form
 from parallel.layers.linear import whole
 from parallel.model.parallel_module import ParallelModule
+from parallel.model.parallelize import parallelize as _split_form
 from parallel.partition import SplitError, block_bounds
 from parallel.runtime.launch import destroy, init
 from parallel.split.scatter import gather, scatter

@@ -10,10 +10,17 @@ import torch
 
 from parallel.data import augment as spatial_augment
 from parallel.grid import Grid
-from parallel.layers.shapes import input_volume
-from parallel.job.config import (DataConfig, EvalConfig, JobConfig, MLPerfConfig, OptimConfig, ScheduleConfig,
-                                   TrainConfig)
+from parallel.job.config import (
+    DataConfig,
+    EvalConfig,
+    JobConfig,
+    MLPerfConfig,
+    OptimConfig,
+    ScheduleConfig,
+    TrainConfig,
+)
 from parallel.job.family import Family, register
+from parallel.layers.shapes import input_volume
 from unet3d.fields import SPEC, transform, transform_for
 from unet3d.losses import dice_ce_loss, dice_per_sample
 from unet3d.model import UNet3D, UNet3DConfig

@@ -40,9 +40,9 @@ from parallel.data import BlockDataset
 from parallel.data.crops import REGION_KEY
 from parallel.grid import Grid
 from parallel.infer import CaseRegion, WindowCrop, case_logits
+from parallel.infer.predict import Session, UsageError, case_shapes, load_run, open_session, parser, run
 from parallel.train.checks import window as eval_window
 from parallel.train.checks.fit import Strides
-from parallel.infer.predict import Session, UsageError, case_shapes, load_run, open_session, parser, run
 from unet3d.family import FAMILY
 
 log = logging.getLogger("parallel.predict")

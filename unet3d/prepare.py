@@ -22,8 +22,16 @@ import argparse
 import sys
 from pathlib import Path
 
-from parallel.data.cli import (SPLIT_DIRS, add_write_args, convert_command, prepare_main, prepare_parser, run_split,
-                               synthetic_command, write_options)
+from parallel.data.cli import (
+    SPLIT_DIRS,
+    add_write_args,
+    convert_command,
+    prepare_main,
+    prepare_parser,
+    run_split,
+    synthetic_command,
+    write_options,
+)
 from parallel.data.jobs import Job
 from unet3d import convert
 from unet3d.fields import SPEC

@@ -18,10 +18,26 @@ on the group's device, so no helper hands NCCL a CPU tensor.
 """
 
 from parallel.comm.autograd import all_reduce_sum, replicated_grad, spatial_sum
-from parallel.comm.checks import (SUPPORTED_DTYPES, CommError, backend_device, check_for_group, check_tensor,
-                                  group_backend, group_device, group_size)
-from parallel.comm.ops import (all_gather, all_gather_bytes, all_gather_varlen, all_reduce_, all_reduce_async,
-                               barrier, broadcast_, exchange)
+from parallel.comm.checks import (
+                                  SUPPORTED_DTYPES,
+                                  CommError,
+                                  backend_device,
+                                  check_for_group,
+                                  check_tensor,
+                                  group_backend,
+                                  group_device,
+                                  group_size,
+)
+from parallel.comm.ops import (
+                                  all_gather,
+                                  all_gather_bytes,
+                                  all_gather_varlen,
+                                  all_reduce_,
+                                  all_reduce_async,
+                                  barrier,
+                                  broadcast_,
+                                  exchange,
+)
 
 __all__ = [
     "SUPPORTED_DTYPES", "CommError", "all_gather", "all_gather_bytes", "all_gather_varlen", "all_reduce_",

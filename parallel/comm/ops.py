@@ -20,8 +20,15 @@ from typing import Any, Literal, Sequence
 import torch
 import torch.distributed as dist
 
-from parallel.comm.checks import (CommError, caller_name, check_for_group, group_backend, group_device,
-                                  group_size, initialized)
+from parallel.comm.checks import (
+    CommError,
+    caller_name,
+    check_for_group,
+    group_backend,
+    group_device,
+    group_size,
+    initialized,
+)
 from parallel.comm.timing import HALO, region
 
 Op = Literal["sum", "avg", "max", "min"]

@@ -69,8 +69,17 @@ from parallel.data.check import check_file, check_files
 from parallel.data.codecs import CODECS, codec_kwargs
 from parallel.data.crops import REGION_KEY, BalancedCrop, FixedRegion, Region, balanced_crop, crop_rng
 from parallel.data.foreground import foreground_boxes
-from parallel.data.format import (FieldSpec, SampleSpec, choose_chunks, choose_crop_chunks, create_datasets,
-                                  parse_splits, sample_files, write_manifest, write_samples)
+from parallel.data.format import (
+                                  FieldSpec,
+                                  SampleSpec,
+                                  choose_chunks,
+                                  choose_crop_chunks,
+                                  create_datasets,
+                                  parse_splits,
+                                  sample_files,
+                                  write_manifest,
+                                  write_samples,
+)
 from parallel.data.loader import BatchShapeError, BlockLoader, StepStats, make_loader
 from parallel.data.reader import BlockDataset, CountingFile, SampleReadError, touched_chunk_bytes
 from parallel.data.sampler import GlobalShuffleSampler, PartialShuffleSampler, ShardSampler

@@ -21,10 +21,10 @@ from typing import Sequence
 
 import torch
 
-from parallel.split import halo
 from parallel.grid import Grid
 from parallel.layers.shapes import infer_global_dims
 from parallel.partition import block_bounds
+from parallel.split import halo
 
 _MASK32 = 0xFFFFFFFF
 

@@ -30,10 +30,10 @@ from parallel.data import BlockDataset
 from parallel.data.format import sample_files
 from parallel.data.reader import SampleReadError
 from parallel.grid import Grid
-from parallel.runtime.launch import env_rank
 from parallel.job import checkpoint
-from parallel.job.from_hydra import UnknownKeyError, load_job
 from parallel.job.family import Family
+from parallel.job.from_hydra import UnknownKeyError, load_job
+from parallel.runtime.launch import env_rank
 
 log = logging.getLogger("parallel.predict")
 

@@ -18,9 +18,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from parallel.split import halo
 from parallel.infer.windows import PAD_VALUE, WindowPlan, coverage_1d, importance_factors
 from parallel.partition import block_bounds
+from parallel.split import halo
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
 

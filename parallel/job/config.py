@@ -12,11 +12,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from parallel.kfac.config import KFACConfig
 from parallel.job.choices import (  # noqa: F401 - re-exported: callers import them from here
-    Choice, Precision, OptimName, Decay, NonFinite, ConvPath, DataCheck, Division, MomentumForm,
-    DecayBoundary, EvalMode, EvalAverage, Usage, Status)
+    Choice,
+    ConvPath,
+    DataCheck,
+    Decay,
+    DecayBoundary,
+    Division,
+    EvalAverage,
+    EvalMode,
+    MomentumForm,
+    NonFinite,
+    OptimName,
+    Precision,
+    Status,
+    Usage,
+)
 from parallel.job.from_hydra import UnknownKeyError, to_dataclass, unknown_keys  # noqa: F401 - their home
+from parallel.kfac.config import KFACConfig
 
 
 @dataclass

@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.split.halo import ExchangePlan, fetch
 from parallel.layers.base import SpatialMixin
 from parallel.layers.replicated import mark_replicated
 from parallel.partition import DIM_NAMES, SplitError
+from parallel.split.halo import ExchangePlan, fetch
 
 Step = tuple[Literal["local", "split", "replicated"], int, object]
 

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from parallel.grid import Grid
-from parallel.split.halo import ExchangePlan, make_plan
 from parallel.layers.shapes import ShapeTracker
 from parallel.partition import DIM_NAMES, SplitError, block_bounds
+from parallel.split.halo import ExchangePlan, make_plan
 
 T = TypeVar("T", bound=nn.Module)
 

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.split.halo import ExchangePlan, fetch
 from parallel.layers.base import SpatialMixin
+from parallel.split.halo import ExchangePlan, fetch
 
 
 class _SpatialPad(SpatialMixin):

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.split.halo import ExchangePlan, fetch
 from parallel.layers.base import SpatialMixin, sliding_windows
+from parallel.split.halo import ExchangePlan, fetch
 
 
 def _triple(v: int | Sequence[int]) -> tuple[int, int, int]:

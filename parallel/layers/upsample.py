@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.split.halo import ExchangePlan, fetch
 from parallel.layers.base import SpatialMixin
+from parallel.split.halo import ExchangePlan, fetch
 
 MODES = ("nearest", "nearest-exact", "trilinear", "area")
 

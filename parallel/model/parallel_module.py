@@ -10,14 +10,14 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from parallel.split import layout
 from parallel.comm import replicated_grad
-from parallel.model.flatshard import flatten_inputs, shard_linears
-from parallel.model.gradsync import GradSync
 from parallel.grid import Grid
 from parallel.layers.linear import SpatialLinear
 from parallel.layers.replicated import is_replicated
 from parallel.layers.shapes import ShapeTracker
+from parallel.model.flatshard import flatten_inputs, shard_linears
+from parallel.model.gradsync import GradSync
+from parallel.split import layout
 
 
 def _first_volume(args: tuple, kwargs: Mapping[str, Any]) -> torch.Tensor | None:

@@ -15,9 +15,6 @@ import torch
 from torch import nn
 
 from parallel import comm
-
-from parallel.split import layout
-from parallel.model.flatshard import flatten_inputs, shard_linears, structure
 from parallel.grid import Grid
 from parallel.layers.adaptive import SpatialAdaptiveAvgPool3d, SpatialAdaptiveMaxPool3d
 from parallel.layers.base import SpatialMixin, convert
@@ -30,8 +27,10 @@ from parallel.layers.pad import SpatialCircularPad3d, SpatialConstantPad3d, Spat
 from parallel.layers.pool import SpatialAvgPool3d, SpatialMaxPool3d
 from parallel.layers.shapes import ShapeTracker
 from parallel.layers.upsample import SpatialUpsample
+from parallel.model.flatshard import flatten_inputs, shard_linears, structure
 from parallel.model.parallel_module import ParallelModule
 from parallel.model.recompute import checkpoint_blocks
+from parallel.split import layout
 
 log = logging.getLogger("parallel")
 

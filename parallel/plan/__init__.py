@@ -27,12 +27,12 @@ splits and the choice), ``models`` (families by name), ``cli`` (the command line
 docstring is its help, so the package does not import it).
 """
 
+from parallel.model.trace import Layer, trace
 from parallel.plan.cost import Options, overlap_policy, predict
 from parallel.plan.local import LocalOp, first_layer, local_ops, op_key, valid
 from parallel.plan.machine import Machine, default_calibration
 from parallel.plan.models import build_model
 from parallel.plan.search import choose, fit_hint, smallest_fit, splits, table
-from parallel.model.trace import Layer, trace
 
 __all__ = ["Layer", "LocalOp", "Machine", "Options", "build_model", "choose", "default_calibration",
            "first_layer", "fit_hint", "local_ops", "op_key", "overlap_policy", "predict", "smallest_fit", "splits",

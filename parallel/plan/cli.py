@@ -6,13 +6,13 @@ import argparse
 import json
 import sys
 
-from parallel.runtime.memory import parse_bytes
+from parallel.job.family import get, names
+from parallel.model.trace import trace
 from parallel.plan.cost import Options
 from parallel.plan.machine import Machine, default_calibration
 from parallel.plan.models import build_model
 from parallel.plan.search import table
-from parallel.model.trace import trace
-from parallel.job.family import get, names
+from parallel.runtime.memory import parse_bytes
 
 
 def family_name(text: str) -> str:

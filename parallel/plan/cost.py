@@ -9,9 +9,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from parallel.model.trace import Layer
 from parallel.plan.local import LocalOp, local_ops, op_key
 from parallel.plan.machine import Machine
-from parallel.model.trace import Layer
 
 log = logging.getLogger("parallel")
 

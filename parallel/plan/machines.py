@@ -19,9 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from parallel.model.trace import Layer
 from parallel.plan.cost import Options, predict
 from parallel.plan.machine import Machine
-from parallel.model.trace import Layer
 
 
 @dataclass(frozen=True)

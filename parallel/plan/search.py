@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from parallel.model.trace import Layer
 from parallel.plan.cost import Options, predict
 from parallel.plan.local import valid
 from parallel.plan.machine import Machine
-from parallel.model.trace import Layer
 
 
 def splits(devices: int, layers: list[Layer], max_data: int | None = None) -> list[tuple[int, tuple[int, int, int]]]:

@@ -195,8 +195,8 @@ def init(spatial: Sequence[int] | Callable[[Any], Sequence[int]] = (1, 1, 1), *,
     float32 rounding).
     """
     # Here, not at the top: `python -m parallel.placement` must not find itself imported already.
-    from parallel.runtime.devices import PlacementError, gather_facts, local_position, plan_devices
     from parallel.placement import Placement, log_placement
+    from parallel.runtime.devices import PlacementError, gather_facts, local_position, plan_devices
 
     launcher = "external" if dist.is_initialized() else detect_launcher()
     configure_cuda(tf32, cudnn_benchmark)

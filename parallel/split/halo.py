@@ -30,11 +30,10 @@ from typing import Any, Callable, Literal, Sequence
 import torch
 
 from parallel import comm
-
-from parallel.split import layout
 from parallel.comm.timing import HALO, mark_background_thread, overlapped, region
-from parallel.split.nested import tensors as _tensors
 from parallel.partition import block_bounds, window_segments
+from parallel.split import layout
+from parallel.split.nested import tensors as _tensors
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,9 @@ from typing import Any
 import torch
 
 from parallel import comm
-
-from parallel.split import layout
 from parallel.grid import Grid
 from parallel.partition import block_bounds
+from parallel.split import layout
 
 
 def scatter(x: torch.Tensor, grid: Grid) -> torch.Tensor:

@@ -24,9 +24,9 @@ from parallel.data.loader import StepStats
 from parallel.data.reader import SampleReadError
 from parallel.grid import Grid
 from parallel.infer.windows import WindowCrop
-from parallel.train.checks import SampleFacts, train_volume, window
 from parallel.job.config import DataConfig, EvalConfig, TrainConfig
 from parallel.job.family import Family
+from parallel.train.checks import SampleFacts, train_volume, window
 from parallel.train.prefetch import AheadCopies, copies_ahead
 
 log = logging.getLogger("parallel.train")

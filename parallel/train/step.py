@@ -20,17 +20,17 @@ import math
 from typing import Any, Callable
 
 import torch
-from parallel import comm
 from torch import nn
 
+from parallel import comm
 from parallel.grid import Grid
 from parallel.job.config import TrainConfig
-from parallel.train.data import Batch
 from parallel.job.family import Family
+from parallel.train.data import Batch
 from parallel.train.gradnorm import clip_coefficient, global_grad_norm, read_host, scale_grads_
 from parallel.train.optim import Schedule
-from parallel.train.precision import LossScaler, autocast, compute_dtype
 from parallel.train.persist.state import Progress
+from parallel.train.precision import LossScaler, autocast, compute_dtype
 
 log = logging.getLogger("parallel.train")
 

@@ -32,10 +32,10 @@ from parallel.grid import Grid
 from parallel.layers.base import SpatialMixin
 from parallel.layers.norm import SpatialBatchNorm3d
 from parallel.layers.replicated import is_replicated
-from parallel.split.nested import tensors as _leaves
 from parallel.model.parallel_module import ParallelModule
-from parallel.partition import SplitError
 from parallel.model.random_draws import DrawRecorder, SameStream, check_split_draws
+from parallel.partition import SplitError
+from parallel.split.nested import tensors as _leaves
 from parallel.split.scatter import scatter
 from parallel.verify.ops import describe_op
 from parallel.verify.probe import probe_shape

@@ -23,12 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.split.halo import ExchangePlan, fetch, reduce
-from parallel.layers.conv.kernels import conv3d
 from parallel.layers.base import SpatialMixin, sliding_windows
+from parallel.layers.conv.kernels import conv3d
 from parallel.layers.conv.paths import check_path, faster_path, window_bytes
 from parallel.layers.conv.shell import ShellConv, ShellGeometry, shell_geometry
 from parallel.partition import DIM_NAMES, SplitError, block_bounds
+from parallel.split.halo import ExchangePlan, fetch, reduce
 
 log = logging.getLogger(__name__)
 

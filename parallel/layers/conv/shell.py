@@ -27,8 +27,8 @@ from typing import Any, Sequence
 
 import torch
 
-from parallel.split.halo import ExchangePlan, in_background
 from parallel.layers.conv.kernels import conv3d, conv3d_backward
+from parallel.split.halo import ExchangePlan, in_background
 from parallel.split.shell import ShellStep, fetch_shell, reduce_shell, shell_step
 
 Span = tuple[int, int]

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from parallel.job.errors import ConfigError
 from parallel.job.config import EvalConfig, JobConfig, OptimConfig, ScheduleConfig
+from parallel.job.errors import ConfigError
 
 Shape = tuple[int, int, int]
 

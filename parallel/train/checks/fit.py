@@ -34,14 +34,14 @@ from typing import Any, Sequence
 import torch
 
 from parallel.grid import Grid
-from parallel.partition import DIM_NAMES, SplitError, block_bounds
-from parallel.model.trace import Layer, hooked, is_leaf, trace
-from parallel.model.random_draws import check_model as check_random_draws
-from parallel.train.checks.config import Shape, train_volume, window
-from parallel.job.errors import InputError, quote_problems
 from parallel.job.config import JobConfig
+from parallel.job.errors import InputError, quote_problems
 from parallel.job.family import Family
 from parallel.job.usermodel import check_user_model, is_user_model
+from parallel.model.random_draws import check_model as check_random_draws
+from parallel.model.trace import Layer, hooked, is_leaf, trace
+from parallel.partition import DIM_NAMES, SplitError, block_bounds
+from parallel.train.checks.config import Shape, train_volume, window
 
 log = logging.getLogger("parallel.train")
 

@@ -27,11 +27,11 @@ from parallel import comm
 from parallel.data.check import check_file
 from parallel.data.format import SampleSpec, read_manifest, sample_files
 from parallel.grid import Grid
-from parallel.partition import SplitError
-from parallel.job.errors import InputError, quote_problems
-from parallel.train.checks.fit import weights_depend_on_volume
 from parallel.job.config import DataConfig
+from parallel.job.errors import InputError, quote_problems
 from parallel.job.family import Family
+from parallel.partition import SplitError
+from parallel.train.checks.fit import weights_depend_on_volume
 
 log = logging.getLogger("parallel.train")
 

@@ -27,10 +27,10 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ValidationError
 
-from parallel.runtime.launch import env_rank
 from parallel.job import usermodel
-from parallel.job.from_hydra import UnknownKeyError, to_dataclass
 from parallel.job.family import CONFIG_ROOT, Family
+from parallel.job.from_hydra import UnknownKeyError, to_dataclass
+from parallel.runtime.launch import env_rank
 
 __all__ = ["main", "register"]
 
