@@ -87,41 +87,36 @@ class Observer:
 class Observers(Observer):
     """Several observers as one: each event goes to each, in order."""
 
-    def __init__(self, observers: Sequence[Observer]) -> None:
+    def __init__(self, observers: Sequence[Observer | None]) -> None:
         self.observers = [o for o in observers if o is not None]
 
-    def run_start(self, progress: Any) -> None:
+    def _each(self, event: str, *args: Any) -> None:
         for o in self.observers:
-            o.run_start(progress)
+            getattr(o, event)(*args)
+
+    def run_start(self, progress: Any) -> None:
+        self._each("run_start", progress)
 
     def epoch_start(self, epoch: int) -> None:
-        for o in self.observers:
-            o.epoch_start(epoch)
+        self._each("epoch_start", epoch)
 
     def step_end(self, progress: Any, loss: torch.Tensor, stats: StepStats) -> None:
-        for o in self.observers:
-            o.step_end(progress, loss, stats)
+        self._each("step_end", progress, loss, stats)
 
     def epoch_end(self, epoch: int) -> None:
-        for o in self.observers:
-            o.epoch_end(epoch)
+        self._each("epoch_end", epoch)
 
     def eval_start(self, epoch_num: int) -> None:
-        for o in self.observers:
-            o.eval_start(epoch_num)
+        self._each("eval_start", epoch_num)
 
     def evaluated(self, progress: Any, epoch_num: int, values: dict[str, Any]) -> None:
-        for o in self.observers:
-            o.evaluated(progress, epoch_num, values)
+        self._each("evaluated", progress, epoch_num, values)
 
     def epoch_done(self, progress: Any) -> None:
-        for o in self.observers:
-            o.epoch_done(progress)
+        self._each("epoch_done", progress)
 
     def stopped(self, progress: Any) -> None:
-        for o in self.observers:
-            o.stopped(progress)
+        self._each("stopped", progress)
 
     def run_end(self, end: RunEnd) -> None:
-        for o in self.observers:
-            o.run_end(end)
+        self._each("run_end", end)
