@@ -289,6 +289,8 @@ ALLOWED_WHOLE_JOB = {
     "parallel.train.checks": {"before_grid", "on_grid"},  # the checks of the whole job
     "parallel.train.checks.config": {"validate_config", "_validate_crop_and_eval", "_validate_kfac"},
     "parallel.train.checks.fit": {"check_cases", "_sliding"},  # crops, windows and cases across sections
+    "parallel.train.checks.autosplit": {"job_plan", "auto_spatial"},  # the planner predicts the whole job
+    "parallel.train.checks.budget": {"start", "_decide"},  # ... and so its memory
     "parallel.train.observe.mlperf": {"log_submission", "log_segmentation"},  # the job's hyperparameters
 }
 

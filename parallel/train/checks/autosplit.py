@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from parallel import plan
-from parallel.job.config import ParallelConfig
+from parallel.job.config import JobConfig, ParallelConfig
 from parallel.runtime.memory import parse_bytes, resident_bytes
 from parallel.train.checks.config import train_volume
 from parallel.train.checks.samples import SampleFacts
@@ -63,7 +63,7 @@ def _memory_per_rank(par: ParallelConfig, local_size: int) -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(local_size, 1)
 
 
-def job_plan(cfg: Any, family: Any, facts: SampleFacts,
+def job_plan(cfg: JobConfig, family: Any, facts: SampleFacts,
              local_size: int = 1) -> tuple[list[plan.Layer], plan.Machine, plan.Options]:
     """The traced layers, the machine and the step options of this training job.
 
@@ -90,7 +90,7 @@ def job_plan(cfg: Any, family: Any, facts: SampleFacts,
     return layers, machine, opts
 
 
-def auto_spatial(cfg: Any, family: Any, facts: SampleFacts, world_size: int | None = None,
+def auto_spatial(cfg: JobConfig, family: Any, facts: SampleFacts, world_size: int | None = None,
                  local_size: int = 1) -> list[int]:
     """``parallel.spatial=auto``: the spatial split of the fastest (data x spatial) split that
     fits, for this job's model, sample volume (``facts``), global batch and world size.

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from parallel.job.config import JobConfig
 from parallel.job.errors import InputError
 from parallel.runtime.memory import resident_bytes
 
@@ -137,7 +138,7 @@ def job_budget(memory_limit: Any, device: torch.device) -> tuple[float | None, s
     return None, ""
 
 
-def _decide(cfg: Any, family: Any, grid: Any, facts: Any, limit: float, source: str) -> dict[str, Any]:
+def _decide(cfg: JobConfig, family: Any, grid: Any, facts: Any, limit: float, source: str) -> dict[str, Any]:
     """Rank 0's verdict: the predicted peak of this grid and, if over, the message."""
     from parallel import plan
     from parallel.train.checks.autosplit import job_plan
@@ -163,7 +164,7 @@ def _decide(cfg: Any, family: Any, grid: Any, facts: Any, limit: float, source: 
     return verdict
 
 
-def start(cfg: Any, family: Any, grid: Any, facts: Any, watchdog: Any = None) -> Budget | None:
+def start(cfg: JobConfig, family: Any, grid: Any, facts: Any, watchdog: Any = None) -> Budget | None:
     """Check this job's grid against its budget (``MemoryBudgetError`` on every rank if it
     does not fit) and, on CPUs, hold the budget while the job runs. Collective. ``cfg``:
     the job, as the planner predicts it; ``facts``: its ``SampleFacts``."""
