@@ -201,6 +201,11 @@ def step(args: argparse.Namespace) -> Rows:
 
 # -- memory -----------------------------------------------------------------------------
 
+MEMORY_TIMEOUT_S = 3600.0
+"""Per grid: a serial 256^3 CosmoFlow step took 5 minutes on 2 quiet cores and went past
+run_ranks' default 600 s while other work shared them."""
+
+
 def memory_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=names()[0])
     p.add_argument("--size", type=int, default=128)
@@ -256,7 +261,8 @@ def memory(args: argparse.Namespace) -> Rows:
             world = math.prod(spatial)
             t0 = time.perf_counter()
             ranks = run_ranks(world, peak_memory, args.model, (args.size,) * 3, args.set, args.batch, recompute,
-                              _overlap(args.overlap), spatial=spatial, device=dev.parse(args.device).type)
+                              _overlap(args.overlap), spatial=spatial, device=dev.parse(args.device).type,
+                              timeout=MEMORY_TIMEOUT_S)
             above = max(r["above_baseline"] for r in ranks)
             if world == 1:
                 serial[recompute] = above
@@ -317,7 +323,7 @@ def _api_memory(args: argparse.Namespace) -> Rows:
         t0 = time.perf_counter()
         ranks = run_ranks(world, api_peak_memory, args.model, (args.size,) * 3, args.set, args.batch,
                           args.input_shape, args.channels_last, warm, spatial=spatial,
-                          device=dev.parse(args.device).type)
+                          device=dev.parse(args.device).type, timeout=MEMORY_TIMEOUT_S)
         row: dict[str, Any] = {"kind": "memory_api", "model": args.model, "size": args.size, "spatial": spatial,
                                "warmup_subtracted": warm}
         for key in ("peak_bytes", "forward_backward_growth_bytes", "parallelized_bytes", "model_and_batch_bytes",
