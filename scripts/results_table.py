@@ -48,30 +48,33 @@ class Row:
     """What the figure is and what it includes."""
     benchmark: str
     case: dict[str, Any]
-    """The arguments (argparse names) that differ from the benchmark's defaults."""
+    """The arguments (argparse names) that define the quantity, with their values."""
     figures: tuple[str, ...]
     worst: str = "max"
     """Of several figures, the one shown: ``max`` or ``min``."""
     target: tuple[str, float] | None = None
 
 
+STEP = {"size": "64", "batch": 2, "spatial": "2x1x1", "optim": "sgd", "overlap": "false", "channels_last": False,
+        "device": "cpu"}
 M128 = {"size": 128, "splits": "1x1x1,4x1x1", "batch": 1}
 M256 = {"size": 256, "splits": "1x1x1,2x2x2", "batch": 1}
 ROWS = [
     Row("halo overhead: split conv, forward+backward, its halo exchange included / the faster plain conv of the "
-        "same block without communication (64^3 x 32 ch, 3^3, split 2 along D)", "layer", {},
+        "same block without communication (64^3 x 32 ch, 3^3, split 2 along D)", "layer",
+        {"size": 64, "channels": 32, "kernel": 3, "batch": 1, "splits": "2x1x1"},
         ("halo_fair_2x1x1",), target=("<=", 1.05)),
-    Row("CosmoFlow 64^3 training step (global batch 2, batch in memory), spatial 2 along D / serial", "step", {},
+    Row("CosmoFlow 64^3 training step (global batch 2, batch in memory), spatial 2 along D / serial", "step", STEP,
         ("cosmoflow_spatial2_over_serial",), target=("<=", 0.55)),
     Row("... its floor: both ranks running the plain model on a block-sized volume at once, no communication / "
-        "serial", "step", {}, ("cosmoflow_floor2_over_serial",)),
-    Row("... data 2 (each rank one sample) / serial", "step", {}, ("cosmoflow_data2_over_serial",)),
-    Row("3D U-Net 64^3 training step (depth 3, 8 filters, global batch 2), spatial 2 along D / serial", "step", {},
+        "serial", "step", STEP, ("cosmoflow_floor2_over_serial",)),
+    Row("... data 2 (each rank one sample) / serial", "step", STEP, ("cosmoflow_data2_over_serial",)),
+    Row("3D U-Net 64^3 training step (depth 3, 8 filters, global batch 2), spatial 2 along D / serial", "step", STEP,
         ("unet3d_spatial2_over_serial",)),
     Row("parallel.plan's step prediction against the median measured step, worst of serial, spatial 2, data 2 "
-        "and weak 2-way, CosmoFlow (|error|)", "step", {}, ("cosmoflow_worst_prediction_error",),
+        "and weak 2-way, CosmoFlow (absolute error)", "step", STEP, ("cosmoflow_worst_prediction_error",),
         target=("<=", 0.15)),
-    Row("... the same, U-Net", "step", {}, ("unet3d_worst_prediction_error",), target=("<=", 0.15)),
+    Row("... the same, U-Net", "step", STEP, ("unet3d_worst_prediction_error",), target=("<=", 0.15)),
     Row(f"peak memory per rank / serial's, the framework's training step, CosmoFlow 128^3 spatial 4x1x1, batch 1; "
         f"{WARM}", "memory", M128, ("spatial_4x1x1_over_serial",), target=("<=", 0.30)),
     Row(f"... a user's program through the public API (parallelize without input_shape, scatter, one forward and "
@@ -105,8 +108,13 @@ def load_records(paths: list[Path]) -> list[dict[str, Any]]:
 
 
 def matches(row: Row, rec: dict[str, Any]) -> bool:
-    case = {k: v for k, v in rec["case"].items() if k not in NOT_DEFINING}
-    return rec["benchmark"] == row.benchmark and case == row.case and all(f in rec["figures"] for f in row.figures)
+    """The record measured the row's quantity: the row's arguments have the row's values (at
+    their defaults or given), and every other argument the record changed is one of
+    ``NOT_DEFINING``."""
+    if rec["benchmark"] != row.benchmark or not all(f in rec["figures"] for f in row.figures):
+        return False
+    other = [k for k in rec["case"] if k not in row.case and k not in NOT_DEFINING]
+    return not other and all(rec["args"].get(k) == v for k, v in row.case.items())
 
 
 def latest(row: Row, records: list[dict[str, Any]]) -> dict[str, Any] | None:
