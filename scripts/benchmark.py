@@ -28,11 +28,12 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
+import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from parallel.bench import commands  # noqa: E402
+from parallel.bench import commands, record  # noqa: E402
 
 
 def _terminated(signum: int, frame: object) -> None:
@@ -48,8 +49,14 @@ def main(argv: list[str] | None = None) -> int:
         add_args(sp)
         sp.add_argument("--plot", type=Path, default=None, help="write PNG plots here (needs matplotlib)")
         sp.add_argument("--out", type=Path, default=None, help="also append the JSON lines to this file")
+        sp.add_argument("--record", type=Path, default=None,
+                        help="append a result record (the summary's figures, the command, date, git commit, torch, "
+                             "machine, load averages) to this JSONL file, e.g. docs/results/<benchmark>.jsonl")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
+    started = time.monotonic()
     _, run = commands.COMMANDS[args.command]
+    recorded = False
     for row in run(args):
         line = json.dumps(row)
         print(line, flush=True)
@@ -59,6 +66,12 @@ def main(argv: list[str] | None = None) -> int:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             with open(args.out, "a", encoding="utf-8") as f:
                 f.write(line + "\n")
+        if args.record is not None and row.get("kind") == "summary":
+            defaults = p.parse_args([args.command])
+            record.append(args.record, record.make(row, args, defaults, argv, started, args.record))
+            recorded = True
+    if args.record is not None and not recorded:
+        print(f"--record {args.record}: {args.command} prints no summary line; nothing recorded", file=sys.stderr)
     return 0
 
 

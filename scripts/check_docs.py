@@ -153,6 +153,9 @@ RULES = [
     Rule(r"^python scripts/memory_demo\.py --size 128", "all", "as written: 128^3, a few minutes", timeout=1800),
     Rule(r"^python scripts/memory_demo\.py", "all", "as written: 256^3 on 4 ranks, about 10 minutes", timeout=3600),
     Rule(r"^python scripts/plan_report\.py ", "all", "as written: the planner's tables (half a minute each)"),
+    Rule(r"^python scripts/results_table\.py --write", "skip",
+         "rewrites the doc from the records; --check, which runs, compares the same table"),
+    Rule(r"^python scripts/results_table\.py --check", "ci", "compares docs/performance.md's table with docs/results"),
 ]
 
 

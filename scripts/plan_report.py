@@ -1,4 +1,4 @@
-"""The planner's tables for docs/performance.md: the seed's 512^3 CosmoFlow result on Lassen
+"""The planner's tables (docs/benchmarks/plan512_*.md): Oyama et al.'s 512^3 CosmoFlow result on Lassen
 (predicted against reported), and 512^3 CosmoFlow and U-Net on H100/H200-class nodes.
 
     python scripts/plan_report.py lassen      # CosmoFlow 512^3, mini-batch 64, 512 and 2048 V100s

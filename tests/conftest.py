@@ -53,6 +53,7 @@ TIERS = {
     "test_step_time": "unit",
     "test_compile": "ranks",
     "test_benchmark": "launch",
+    "test_results_table": "unit",
     "test_cluster_placement": "unit",
     "test_cluster_scripts": "launch",
     "test_augment": "ranks",

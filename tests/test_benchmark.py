@@ -64,6 +64,36 @@ def test_step_measures_and_predicts_every_grid(tmp_path: Path):
         max(abs(e) for e in step["prediction_error_vs_best"].values())
 
 
+def test_record_appends_the_summary_as_a_result_record(tmp_path: Path):
+    """``--record FILE``: one record per summary, its figures the summary's, with the command
+    (less where output went), the case (the arguments off their defaults) and the load."""
+    path = tmp_path / "results" / "layer.jsonl"
+    rows = _run("layer", "--size", "12", "--channels", "2", "--trials", "2", "--record", str(path))
+    _run("layer", "--size", "12", "--channels", "2", "--trials", "2", "--record", str(path))
+    first, second = [json.loads(line) for line in path.read_text().splitlines()]
+    summary = rows[-1]
+    assert first["benchmark"] == "layer" and first["case"] == {"size": 12, "channels": 2, "trials": 2}
+    assert first["figures"]["halo_fair_2x1x1"] == summary["halo_fair_2x1x1"]
+    assert set(first["figures"]) == {k for k, v in summary.items() if isinstance(v, float) and "load" not in k}
+    assert first["command"] == "python scripts/benchmark.py layer --size 12 --channels 2 --trials 2"
+    assert first["load_before"] == summary["load_before"] and first["includes"] == summary["includes"]
+    assert first["git"]["commit"] and first["machine"]["cores"] and first["torch"]
+    assert second["figures"] != first["figures"] or second["date"] >= first["date"]  # appended, not replaced
+
+
+def test_memory_from_outside_names_what_it_includes():
+    """``memory --api --no-warmup``: no warm-up run before the baseline, and figures whose
+    names say the one-time costs are in them; without ``--api`` it is refused."""
+    rows = _run("memory", "--api", "--no-warmup", "--size", "8", "--splits", "1x1x1,2x1x1", "--set",
+                "model.n_conv_blocks=2", "model.conv_filters=4", "model.dense_sizes=[4]")
+    assert all(r["warmup_subtracted"] is False for r in rows)
+    assert rows[-1]["spatial_2x1x1_peak_with_one_time_costs_over_serial"] == rows[1]["peak_ratio_to_serial"] > 0
+    assert "one-time runtime costs of the first step included" in rows[-1]["includes"]
+    refused = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark.py"), "memory", "--no-warmup"],
+                             capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert refused.returncode != 0 and "--no-warmup: only with --api" in refused.stderr
+
+
 def _is_png(path: Path) -> bool:
     return path.is_file() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -35,7 +35,12 @@ def layer(args: argparse.Namespace) -> Rows:
     from parallel.bench.layer import conv_overhead
     from parallel.bench.ranks import run_ranks
 
-    summary: dict[str, Any] = {"kind": "summary", "command": "layer", "load_before": load()}
+    summary: dict[str, Any] = {
+        "kind": "summary", "command": "layer", "load_before": load(),
+        "includes": "forward+backward seconds of the split conv (its halo exchange included, no gradient "
+                    "all-reduce) over the faster plain conv of the same rank's block with no communication "
+                    "(halo_fair*), or over the conv of a window cut beforehand (halo_vs_window*); each trial the "
+                    "slowest rank's, medians of per-trial ratios of interleaved trials"}
     for text in args.splits.split(","):
         spatial = sizes(text)
         world = math.prod(spatial)
@@ -123,7 +128,13 @@ def step(args: argparse.Namespace) -> Rows:
     device = dev.parse(args.device)
     if math.prod(split) != 2:
         raise SystemExit(f"--spatial {args.spatial}: the step benchmark compares 2-way splits")
-    summary: dict[str, Any] = {"kind": "summary", "command": "step", "spatial": list(split), "load_before": load()}
+    summary: dict[str, Any] = {
+        "kind": "summary", "command": "step", "spatial": list(split), "load_before": load(),
+        "includes": "seconds of a training step (forward, loss, backward with the gradient all-reduce, SGD "
+                    "update) on a synthetic batch already in memory, no data loading; each trial the slowest "
+                    "rank's; *_over_serial: medians of per-trial ratios of interleaved trials (floor2: both ranks "
+                    "running the plain model on a block-sized volume, no communication); prediction errors: "
+                    "parallel.plan's step from the calibration against the median measured step, worst grid"}
     plotted: dict[str, tuple[dict[str, float], dict[str, float]]] = {}
     for name in args.models.split(","):
         over = overrides_of(args, name)
@@ -190,6 +201,11 @@ def step(args: argparse.Namespace) -> Rows:
 
 # -- memory -----------------------------------------------------------------------------
 
+MEMORY_TIMEOUT_S = 3600.0
+"""Per grid: a serial 256^3 CosmoFlow step took 5 minutes on 2 quiet cores and went past
+run_ranks' default 600 s while other work shared them."""
+
+
 def memory_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=names()[0])
     p.add_argument("--size", type=int, default=128)
@@ -210,6 +226,9 @@ def memory_args(p: argparse.ArgumentParser) -> None:
                         "one forward and backward; parallel.bench.usermem)")
     p.add_argument("--input-shape", action="store_true", help="with --api: pass parallelize(input_shape=...)")
     p.add_argument("--channels-last", action="store_true", help="with --api: parallelize(channels_last=True)")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="with --api: no warm-up run on a tiny model before the baseline, so the figures are the "
+                        "program's growth as seen from outside, the first step's one-time runtime costs included")
 
 
 def memory(args: argparse.Namespace) -> Rows:
@@ -220,13 +239,19 @@ def memory(args: argparse.Namespace) -> Rows:
 
     if args.mmap_threshold:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)  # read by the spawned ranks' libc
+    if args.no_warmup and not args.api:
+        raise SystemExit("--no-warmup: only with --api (the framework's step always subtracts its warm-up)")
     if args.api:
         yield from _api_memory(args)
         return
     model, in_shape, stored = build_model(args.model, (args.size,) * 3, args.set)
     layers = trace(model, in_shape)
-    summary: dict[str, Any] = {"kind": "summary", "command": "memory", "load_before": load(),
-                               "malloc_mmap_threshold": args.mmap_threshold}
+    summary: dict[str, Any] = {
+        "kind": "summary", "command": "memory", "load_before": load(), "malloc_mmap_threshold": args.mmap_threshold,
+        "includes": "peak resident memory per rank (VmHWM) over one training step (the block cloned as a reader "
+                    "gives it, Flatten+Linear weights sharded with input_shape, SGD) above the rank's resident "
+                    "memory after a warm-up step of a tiny model (one-time runtime costs subtracted); ratio to the "
+                    "serial rank's"}
     serial: dict[bool, float] = {}
     plotted: dict[str, list[tuple[int, float]]] = {}
     machine = Machine.load(None)
@@ -236,7 +261,8 @@ def memory(args: argparse.Namespace) -> Rows:
             world = math.prod(spatial)
             t0 = time.perf_counter()
             ranks = run_ranks(world, peak_memory, args.model, (args.size,) * 3, args.set, args.batch, recompute,
-                              _overlap(args.overlap), spatial=spatial, device=dev.parse(args.device).type)
+                              _overlap(args.overlap), spatial=spatial, device=dev.parse(args.device).type,
+                              timeout=MEMORY_TIMEOUT_S)
             above = max(r["above_baseline"] for r in ranks)
             if world == 1:
                 serial[recompute] = above
@@ -278,23 +304,36 @@ def _api_memory(args: argparse.Namespace) -> Rows:
     from parallel.bench.ranks import run_ranks
     from parallel.bench.usermem import api_peak_memory
 
-    summary: dict[str, Any] = {"kind": "summary", "command": "memory --api", "load_before": load(),
-                               "input_shape": args.input_shape, "channels_last": args.channels_last}
+    warm = not args.no_warmup
+    summary: dict[str, Any] = {
+        "kind": "summary", "command": "memory --api", "load_before": load(), "input_shape": args.input_shape,
+        "channels_last": args.channels_last, "warmup_subtracted": warm,
+        "includes": "a user's program: the serial model and a global batch built, parallelize"
+                    f"{'(input_shape=...)' if args.input_shape else ' without input_shape'}, scatter, one forward "
+                    "and backward; peak resident memory per rank (VmHWM) over the forward and backward, above the "
+                    + ("rank's resident memory after the same program ran once on a tiny model (one-time runtime "
+                       "costs subtracted)" if warm else "rank's resident memory before the program built anything "
+                       "(one-time runtime costs of the first step included, nothing subtracted)")
+                    + "; ratio to the serial run's"}
+    tag = "" if warm else "_with_one_time_costs"  # the figure's name says what it includes
     serial: dict[str, float] = {}
     for text in args.splits.split(","):
         spatial = sizes(text)
         world = math.prod(spatial)
         t0 = time.perf_counter()
         ranks = run_ranks(world, api_peak_memory, args.model, (args.size,) * 3, args.set, args.batch,
-                          args.input_shape, args.channels_last, spatial=spatial, device=dev.parse(args.device).type)
-        row: dict[str, Any] = {"kind": "memory_api", "model": args.model, "size": args.size, "spatial": spatial}
-        for key in ("peak_bytes", "forward_backward_growth_bytes", "parallelized_bytes", "model_and_batch_bytes"):
+                          args.input_shape, args.channels_last, warm, spatial=spatial,
+                          device=dev.parse(args.device).type, timeout=MEMORY_TIMEOUT_S)
+        row: dict[str, Any] = {"kind": "memory_api", "model": args.model, "size": args.size, "spatial": spatial,
+                               "warmup_subtracted": warm}
+        for key in ("peak_bytes", "forward_backward_growth_bytes", "parallelized_bytes", "model_and_batch_bytes",
+                    "baseline_bytes"):
             row[key] = max(r[key] for r in ranks)
         for key in ("peak_bytes", "forward_backward_growth_bytes"):
             if world == 1:
                 serial[key] = row[key]
             row[key.replace("_bytes", "_ratio_to_serial")] = row[key] / serial[key] if serial.get(key) else None
-            summary[f"spatial_{text}_{key.replace('_bytes', '')}_over_serial"] = \
+            summary[f"spatial_{text}_{key.replace('_bytes', '')}{tag}_over_serial"] = \
                 row[key.replace("_bytes", "_ratio_to_serial")]
         row["seconds"] = time.perf_counter() - t0
         yield row

@@ -167,7 +167,7 @@ def time_step(grid: Grid, case: StepCase, trials: int, peers: tuple[str, ...],
             skipped["distconv"] = reason or "failed on another rank"
             x_block = None
     if "shardtensor" in peers:
-        skipped["shardtensor"] = "not in the step harness (its backward fails on this torch: docs/performance.md)"
+        skipped["shardtensor"] = "not in the step harness (its backward fails on this torch: docs/benchmarks/peers_conv_distconv_cpu-2core_2026-12-06.md)"
     for cl in (False, True) if channels_last else (False,):
         tag = "_cl" if cl else ""
         steppers["serial" + tag] = Stepper(serial_grid, case.model, size, [], case.batch, active=grid.rank == 0,

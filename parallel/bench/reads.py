@@ -160,6 +160,12 @@ def io(args: argparse.Namespace) -> Rows:
     splits = parse_splits(args.spatial)
     summary: dict[str, Any] = {"kind": "summary", "command": "io", "load_before": load(),
                                "drop_caches_permitted": drop_caches_permitted(),
+                               "includes": "*_block_over_raw_warm: a rank's HDF5 block reads (decoding included) "
+                                           "against raw sequential reads of as many bytes into new memory, page "
+                                           "cache warm, medians of per-trial ratios of interleaved trials, the "
+                                           "slowest rank; *_speedup: whole-sample read time over the slowest "
+                                           "rank's block read time; *_bytes_share: bytes read per rank over the "
+                                           "whole sample's",
                                "cold_method": "posix_fadvise(DONTNEED)" if args.cold else None}
     speedups: dict[str, dict[str, float]] = {}
     tmp = tempfile.TemporaryDirectory(dir=args.dir) if args.dir is None or args.dir.is_dir() else None

@@ -42,12 +42,17 @@ def _program(grid: Grid, name: str, size: Sequence[int], overrides: Sequence[str
 
 
 def api_peak_memory(grid: Grid, name: str, size: Sequence[int], overrides: Sequence[str], batch: int,
-                    input_shape: bool = False, channels_last: bool = False) -> dict[str, Any]:
+                    input_shape: bool = False, channels_last: bool = False, warmup: bool = True) -> dict[str, Any]:
     """This rank's resident memory (bytes) at each stage of the user's program, above a
-    baseline taken after the same program ran once on a tiny model (what the first step of
-    anything costs once is runtime, not this model's memory, as in ``peak_memory``)."""
-    _program(grid, name, [4 * g for g in grid.spatial], list(get(name).tiny_overrides), 1, input_shape,
-             channels_last, None)
+    baseline. ``warmup``: the baseline is taken after the same program ran once on a tiny
+    model (what the first step of anything costs once is runtime, not this model's memory,
+    as in ``peak_memory``). Without it the baseline is the rank as the program finds it
+    (torch imported, the process group up): the growth a user sees from outside, the
+    one-time costs of the first forward and backward (oneDNN's and gloo's buffers, the
+    autograd engine's threads) included."""
+    if warmup:
+        _program(grid, name, [4 * g for g in grid.spatial], list(get(name).tiny_overrides), 1, input_shape,
+                 channels_last, None)
     gc.collect()
     memory.reset_peak(grid.device)
     baseline = memory.in_use_bytes(grid.device)
