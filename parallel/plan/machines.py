@@ -43,18 +43,18 @@ class Node:
 
 
 NODES: dict[str, Node] = {
-    # Lassen (LLNL): IBM AC922 nodes, 4 V100 SXM2 16 GB, NVLink 2, InfiniBand EDR (the issue
-    # and Oyama et al., arXiv 2007.12856). V100 SXM2: 15.7 TFLOP/s FP32, 900 GB/s HBM2 (NVIDIA's
+    # Lassen (LLNL): IBM AC922 nodes, 4 V100 SXM2 16 GB, NVLink 2, InfiniBand EDR (LLNL's
+    # system description and Oyama et al., arXiv 2007.12856). V100 SXM2: 15.7 TFLOP/s FP32, 900 GB/s HBM2 (NVIDIA's
     # datasheet). NVLink 2 on the AC922: 3 links (75 GB/s each way) between the GPUs of a
     # socket pair; 50 GB/s assumed between any two. EDR: 100 Gb/s = 12.5 GB/s a port, two
     # ports a node assumed (dual rail), so 6.25 GB/s per GPU when all four send.
     "lassen": Node("lassen", 4, 16e9, 15.7e12, 900e9, 50e9, 6.25e9, intra_alpha=1e-5, inter_alpha=5e-6,
-                   sources="V100 SXM2 datasheet; Lassen node per arXiv 2007.12856 and the issue; links assumed as noted"),
+                   sources="V100 SXM2 datasheet; Lassen node per arXiv 2007.12856 and LLNL; links assumed as noted"),
     # An H200 node: 8 H200 SXM 141 GB (HBM3e 4.8 TB/s; FP32 67 TFLOP/s, as the H100 SXM),
     # NVLink 4 through NVSwitch (450 GB/s each way per GPU), 4 x 400 Gb/s InfiniBand per
     # node (200 GB/s: 25 GB/s per GPU when all eight send). H100 nodes: 80 GB, 3.35 TB/s.
     "h200": Node("h200", 8, 141e9, 67e12, 4.8e12, 450e9, 25e9, intra_alpha=8e-6, inter_alpha=5e-6,
-                 sources="NVIDIA H200/H100 SXM datasheets; 4 x 400 Gb/s per node as the issue gives it"),
+                 sources="NVIDIA H200/H100 SXM datasheets; 4 x 400 Gb/s per node (a typical HGX cluster)"),
     "h100": Node("h100", 8, 80e9, 67e12, 3.35e12, 450e9, 25e9, intra_alpha=8e-6, inter_alpha=5e-6,
                  sources="NVIDIA H100 SXM datasheet; 4 x 400 Gb/s per node"),
 }
