@@ -22,8 +22,9 @@ def preferred(device: torch.device, precision: str) -> bool:
     """Whether channels-last is the faster layout for training on ``device`` at
     ``precision`` (``fp32``, ``bf16``, ``fp16``, ``fp64``), as measured so far: on CPUs at
     float32 (NDHWC step time 0.65-0.89 of NCDHW for CosmoFlow and the U-Net, serial and
-    split, measured on 6 December 2026: docs/benchmarks/channels_last_cpu-2core_2026-12-06.md). Not yet measured, so False: other CPU precisions and GPUs
-    (``scripts/gpu_check.sh`` times a run with and without it)."""
+    split, on 6 December 2026: docs/benchmarks/channels_last_cpu-2core_2026-12-06.md). Not
+    yet measured, so False: other CPU precisions and GPUs (``scripts/gpu_check.sh`` times
+    a run with and without it)."""
     return device.type == "cpu" and precision == "fp32"
 
 
