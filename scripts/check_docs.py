@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Run every shell command of README.md and docs/*.md as written, at a small size.
 
-    python scripts/check_docs.py              # the CI subset (tests/test_docs_commands.py, ~2 min on 2 cores)
+    python scripts/check_docs.py              # the CI subset (tests/launch/test_docs_commands.py, ~2 min on 2 cores)
     python scripts/check_docs.py --all        # every command that can run here (trainings to the target,
                                               # benchmarks, submissions: an hour or more on 2 cores)
     python scripts/check_docs.py --list       # each command, where it is, its rule: ci, all or skip (why)
@@ -15,7 +15,7 @@ temporary one) that links the repository's code, so ``data/`` and ``runs/`` are 
 own: the datasets the commands name (``data/cosmo``, ``data/kits``, ...) are generated
 there first at a small size (``FIXTURES``). ``RULES`` says, for each command, what makes
 it small (replacements, appended Hydra overrides, environment; Slurm's ``srun`` and
-``sbatch`` are the stand-ins of ``tests/slurm``) or why it cannot run here. A command
+``sbatch`` are the stand-ins of ``tests/support/slurm``) or why it cannot run here. A command
 that no rule matches is an error (exit 2): add a rule beside the others.
 
 Exit status: 0 every selected command passed; 1 one failed (its command, where it is
@@ -68,7 +68,7 @@ class Rule:
     """Appended to the command (Hydra overrides after the last argument)."""
     env: dict[str, str] = field(default_factory=dict)
     slurm: bool = False
-    """Put the Slurm stand-ins (tests/slurm) first on PATH."""
+    """Put the Slurm stand-ins (tests/support/slurm) first on PATH."""
     timeout: float = 600
 
 
@@ -78,7 +78,8 @@ RULES = [
     Rule(r"scripts/test\.sh", "skip", "the test suite, which runs this checker"),
     Rule(r"scripts/check_docs\.py", "skip", "this checker"),
     Rule(r"gpu_check\.sh\s*(#|$)", "skip", "needs GPUs (scripts/gpu_check.sh --cpu is its dry run)"),
-    Rule(r"gpu_check\.sh --cpu", "all", "tiny sizes on the CPU; tests/test_gpu_check.py runs it too", timeout=1800),
+    Rule(r"gpu_check\.sh --cpu", "all", "tiny sizes on the CPU; tests/launch/test_gpu_check.py runs it too",
+         timeout=1800),
     # -- data
     Rule(r"\.prepare synthetic .*--out data/kits_like","all", "12 cases of 40..48 voxels",
          sub=((r"--out data/kits_like", "--out prepared/kits_like"), (r"--size-range 40,64", "--size-range 40,48")),
@@ -90,13 +91,13 @@ RULES = [
          sub=((r"--out data/", "--out prepared/"), (r"--size \d+", "--size 16"), (r"--train \d+", "--train 4"),
               (r"--val \d+", "--val 2"))),
     Rule(r"\.prepare (from-npy|from-kits) SRC OUT", "skip",
-         "placeholders SRC OUT; tests/test_prepare_cosmoflow.py and test_prepare_unet3d.py convert made sources"),
+         "placeholders SRC OUT; tests/unit/test_prepare_cosmoflow.py and test_prepare_unet3d.py convert made sources"),
     Rule(r"benchmark_io\.py","all", "16^3 volumes", sub=((r"--size \d+", "--size 16"),)),
     # -- self-checks
     Rule(r"^python -m parallel\.selfcheck", "ci"),
     Rule(r"^torchrun .*parallel\.selfcheck","all"),
     Rule(r"^mpirun .*parallel\.selfcheck", "all"),
-    Rule(r"^srun .*parallel\.selfcheck", "all", "the Slurm stand-in (tests/slurm/srun)", slurm=True),
+    Rule(r"^srun .*parallel\.selfcheck", "all", "the Slurm stand-in (tests/support/slurm/srun)", slurm=True),
     # -- training
     Rule(r"train\.profile=", "all", "2 steps on data/cosmo32 (a trace of 1)",
          append="data.dir=data/cosmo32 train.max_steps=2 train.global_batch_size=4 run.progress=false"),
@@ -110,7 +111,8 @@ RULES = [
          sub=((r"\.\.\.", "data.dir=data/cosmo32"),), append=COSMO_SMALL),
     Rule(r"^python -m cosmoflow\.train --config-name quickstart","all", "2 steps", append=QUICK),
     Rule(r"^python -m cosmoflow\.train ", "ci", "2 steps of a 4-filter network", append=COSMO_SMALL),
-    Rule(r"^torchrun --nnodes=2:4 ", "skip", "an elastic job of 2-4 nodes; tests/test_elastic.py runs 2 agents here"),
+    Rule(r"^torchrun --nnodes=2:4 ", "skip",
+         "an elastic job of 2-4 nodes; tests/launch/test_elastic.py runs 2 agents here"),
     Rule(r"elastic_slurm\.sh", "ci", "DRY_RUN=1: prints the srun step"),
     Rule(r"torchrun .*-m cosmoflow\.train --config-name quickstart", "all", "2 steps", append=QUICK),
     Rule(r"torchrun .*-m cosmoflow\.train ", "all", "2 steps of a 4-filter network", append=COSMO_SMALL),
@@ -121,7 +123,7 @@ RULES = [
          "the README's mpirun run above (2 steps) segments data/kits's val cases"),
     Rule(r"^mpirun -n 4 python -m unet3d\.train ", "ci",
          "2 steps of a 3-level U-Net on 32^3 crops, on 2 ranks split along D (4 ranks under mpirun: "
-         "tests/test_launchers.py)",
+         "tests/launch/test_launchers.py)",
          sub=((r"^mpirun -n 4 ", "mpirun -n 2 "), (r"parallel\.spatial=\[\d,\d,\d\]", "parallel.spatial=[2,1,1]")),
          append=UNET_SMALL),
     Rule(r"^mpirun -n 8 python -m unet3d\.train ", "all", "2 steps of a 3-level U-Net on data/kits",
@@ -130,14 +132,16 @@ RULES = [
          "16 ranks of the 512^3 network on 4 nodes: a cluster's job"),
     Rule(r"^scripts/launch\.sh ", "all", "2 steps of a 4-filter network", append=COSMO_SMALL),
     Rule(r"quickstart\.sh", "all", "trains to the MLPerf target as written (minutes)", timeout=1800),
-    Rule(r"\.predict --run-dir RUN", "skip", "placeholders RUN, DIR; tests/test_predict.py runs both predict CLIs"),
+    Rule(r"\.predict --run-dir RUN", "skip",
+         "placeholders RUN, DIR; tests/launch/test_predict.py runs both predict CLIs"),
     # -- clusters and submissions
     Rule(r"submit\.sh --system h200x8", "ci", "--dry-run: prints the sbatch command for the 16-node system",
          sub=((r"--system h200x8", "--system h200x8 --dry-run"),)),
     Rule(r"submit\.sh --system local", "all", "trainings to the target as written (minutes)", slurm=True,
          timeout=3600),
     Rule(r"sbatch -N 16 .*scripts/run\.sub", "skip", "16 nodes of 8 GPUs (submit.sh --dry-run above shows the call)"),
-    Rule(r"collect_results\.py", "skip", "needs a submission's logs (tests/test_cluster_scripts.py collects one)"),
+    Rule(r"collect_results\.py", "skip",
+         "needs a submission's logs (tests/launch/test_cluster_scripts.py collects one)"),
     # -- performance
     Rule(r"^python -m parallel\.plan .*--alpha", "all", "the same tool as README's plan command, which CI runs"),
     Rule(r"^python -m parallel\.plan ", "ci"),

@@ -4,7 +4,7 @@
 # scripts/quickstart.sh to the real MLPerf target on the validation split: a 2-instance
 # weak-scaling submission takes about 4-5 minutes on 2 cores (closed division for
 # CosmoFlow: SGD). CONFIG_NAME=smoke is a plumbing check of the same path in about a
-# minute (tests/test_cluster_scripts.py): a tiny network that evaluates on the training
+# minute (tests/launch/test_cluster_scripts.py): a tiny network that evaluates on the training
 # split, not a benchmark result (open division).
 #
 #   bash scripts/submit.sh --system local --mode weak --instances 2

@@ -42,11 +42,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 SPLITS = {1: (1, 1, 1), 2: (2, 1, 1), 3: (3, 1, 1), 4: (2, 2, 1), 6: (3, 2, 1), 8: (2, 2, 2)}
 CPU_LAYER_CASES = [  # a few cases on 2 ranks: the dry run checks the plumbing, the full suite the rest
-    "tests/test_layers.py::test_conv3d[k3-pad1-D2]", "tests/test_layers.py::test_norm[batchnorm-D2]",
-    "tests/test_comm_adjoint.py::test_adjoints[spatial2]",
+    "tests/ranks/test_layers.py::test_conv3d[k3-pad1-D2]", "tests/ranks/test_layers.py::test_norm[batchnorm-D2]",
+    "tests/ranks/test_comm_adjoint.py::test_adjoints[spatial2]",
 ]
-GPU_LAYER_FILES = ["tests/test_layers.py", "tests/test_halo.py", "tests/test_overlap.py", "tests/test_comm_adjoint.py",
-                   "tests/test_channels_last.py"]
+GPU_LAYER_FILES = ["tests/ranks/test_layers.py", "tests/ranks/test_halo.py", "tests/ranks/test_conv_paths.py",
+                   "tests/ranks/test_comm_adjoint.py", "tests/ranks/test_channels_last.py"]
 
 
 @dataclass
@@ -211,7 +211,7 @@ class Check:
     def bench(self) -> None:
         """``scripts/benchmark.py step --device cuda``: serial, spatial 2 and data 2 on two GPUs
         (its trial times reduced and its grids built on the GPUs, not the CPU)."""
-        if self.cpu:  # GPUs only: tests/test_device_paths.py checks where its tensors go
+        if self.cpu:  # GPUs only: tests/unit/test_device_paths.py checks where its tensors go
             return
         if self.gpus < 2:
             self.record(Result("benchmark step --device cuda", "skip", notes="needs 2 GPUs or more"))

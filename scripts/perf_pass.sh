@@ -31,15 +31,14 @@ say "layer: halo overhead, 64^3 x 32 channels, 3^3, split 2 along D"
 bench layer layer
 say "step: both models at 64^3, 2-way along D, measured and predicted"
 bench step step --trials 9
-M128=(--size 128 --splits 1x1x1,4x1x1 --batch 1)
-M256=(--size 256 --splits 1x1x1,2x2x2 --batch 1)
-for m in M128 M256; do
-    declare -n args=$m
-    say "memory ${args[*]}: the framework's step, then a user's program (warm-up subtracted, then from outside)"
-    bench memory memory "${args[@]}"
-    bench memory memory --api "${args[@]}"
-    bench memory memory --api --no-warmup "${args[@]}"
-done
+memory() {  # one grid: the framework's step, then a user's program (warm-up subtracted, then from outside)
+    say "memory $*"
+    bench memory memory "$@"
+    bench memory memory --api "$@"
+    bench memory memory --api --no-warmup "$@"
+}
+memory --size 128 --splits 1x1x1,4x1x1 --batch 1
+memory --size 256 --splits 1x1x1,2x2x2 --batch 1
 say "io: 256^3 block reads against raw reads, every codec"
 bench io io --size 256 --samples 2 --spatial 2,4,2x2x2
 python scripts/results_table.py --records "$REC" | tee "$OUT/table.md"

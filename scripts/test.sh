@@ -5,11 +5,11 @@
 #   bash scripts/test.sh -m unit       # one tier: unit (under a minute), ranks or launch
 #   bash scripts/test.sh -m "not slow" # leave out the longest launches (about half the time)
 #   bash scripts/test.sh -k halo       # extra arguments go to pytest
-#   TEST_WORKERS=0 bash scripts/test.sh  # one process (default 2: pytest-xdist, a module per worker)
+#   TEST_WORKERS=0 bash scripts/test.sh  # one process (default 2: pytest-xdist, a file or the ranks tier per worker)
 #
-# Tiers (tests/conftest.py): unit = pure logic and single-process work on real files;
-# ranks = several gloo ranks of the spawned pool; launch = python -m, torchrun, mpirun,
-# Slurm variables, the scripts and a real Slurm on this machine (tests/slurm_cluster.py).
+# Tiers are folders (tests/conftest.py sets the marker): tests/unit = pure logic and
+# single-process work on real files; tests/ranks = several gloo ranks of the spawned pool;
+# tests/launch = python -m, torchrun, mpirun, the scripts and a real Slurm on this machine.
 set -euo pipefail
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
     sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
@@ -19,7 +19,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # shellcheck source=scripts/setup.sh
 source scripts/setup.sh
 export OMP_NUM_THREADS=1
-# Two workers (pytest-xdist), each taking whole modules (module fixtures, the real Slurm
-# cluster and the session's job pool stay within one worker); the longest modules start
-# first (tests/conftest.py LONGEST_FIRST).
-python -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadfile --durations=20 "$@"
+
+# Two workers (pytest-xdist), each taking whole groups (tests/conftest.py): a test file, or
+# the whole ranks tier, so that module fixtures, the real Slurm cluster and one set of rank
+# pools stay within one worker; the longest start first (tests/conftest.py LONGEST_FIRST).
+python -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadgroup --durations=20 "$@"

@@ -1,6 +1,6 @@
 """Run a function on ``world`` spawned gloo ranks (one thread each) and collect results.
 
-For benchmarks and calibration, not tests (``tests/harness.py`` keeps pools alive across
+For benchmarks and calibration, not tests (``tests/support/harness.py`` keeps pools alive across
 cases): a fresh set of ranks per call, so each measurement starts from a clean process
 (peak memory, caches). A failing rank fails the call with its traceback.
 """

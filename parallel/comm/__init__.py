@@ -1,7 +1,7 @@
 """The communication layer: every collective and point-to-point call of the framework.
 
 Nothing outside this package calls torch.distributed's communication functions
-(``tests/test_comm_layer.py`` reads the sources and fails on any that does); the halo
+(``tests/unit/test_comm_layer.py`` reads the sources and fails on any that does); the halo
 exchange (``parallel.split.halo``) and the gradient sync (``parallel.model.gradsync``) are built on it.
 
 - ``checks``: what a group accepts (device of its backend, dtype, a dense layout); a

@@ -78,7 +78,7 @@ def read_bytes(dset: h5py.Dataset, selection: Sequence[slice]) -> int:
     """The bytes HDF5 reads from the file for a hyperslab with the chunk cache off.
 
     A filtered chunk must be read and decoded whole; an unfiltered one is read in place,
-    only the selected runs (``tests/test_data_crops.py`` checks this against a counting file).
+    only the selected runs (``tests/unit/test_data_crops.py`` checks this against a counting file).
     """
     if dset.chunks is None or dset.id.get_create_plist().get_nfilters() == 0:
         return selection_bytes(dset, selection)

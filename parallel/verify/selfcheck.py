@@ -58,7 +58,7 @@ class EveryLayer(nn.Module):
         )
         self.gate = nn.Sequential(nn.AdaptiveAvgPool3d(1), nn.Conv3d(8, 8, 1), nn.Sigmoid())
         # nearest upsampling (an exact gather): a trilinear one's float32 rounding, split or not,
-        # tips later bf16 casts and triples the bf16 difference (tests/test_layers_resample.py covers it)
+        # tips later bf16 casts and triples the bf16 difference (tests/ranks/test_layers_resample.py covers it)
         self.decode = nn.Sequential(nn.ConvTranspose3d(8, 4, 2, stride=2), nn.ELU(),
                                     nn.Upsample(scale_factor=2, mode="nearest"), nn.AdaptiveAvgPool3d(size // 2),
                                     nn.Conv3d(4, 3, 1))
