@@ -111,6 +111,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if unknown:
         raise pytest.UsageError(f"NIGHTLY or SLOW in tests/conftest.py name missing tests: {unknown}")
     misplaced = set()
+    grouped = config.pluginmanager.hasplugin("xdist")
     for item in items:
         where = _where(item)
         tier = where.split("/")[0]
@@ -123,7 +124,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         # pytest-xdist (scripts/test.sh: --dist loadgroup): the whole ranks tier on one worker, so
         # one set of rank pools serves it; every other file whole on one worker (its module
         # fixtures, the real Slurm cluster, stay within it)
-        item.add_marker(pytest.mark.xdist_group("ranks" if tier == "ranks" else where))
+        if grouped:
+            item.add_marker(pytest.mark.xdist_group("ranks" if tier == "ranks" else where))
         if f"{where}::{item.originalname}" in NIGHTLY:
             item.add_marker(pytest.mark.nightly)
         if f"{where}::{item.originalname}" in SLOW:
@@ -162,8 +164,13 @@ def pools():
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _pools_idle_between_modules(pools):
+def _pools_idle_between_modules(request, pools):
     """After each module, the pools drop what they held for it (``Pools.idle``; a ``Pools``
-    starts no process until its first use)."""
+    starts no process until its first use). The ranks tier runs on one worker, module after
+    module, and keeps its 8-rank world between them (spawning 8 ranks costs about 20 s of CPU
+    on 2 cores); a module of another tier ends it first."""
+    ranks = _where(request.node).split("/")[0] == "ranks"
+    if not ranks:
+        pools.idle()
     yield
-    pools.idle()
+    pools.idle(keep=8 if ranks else 4)
