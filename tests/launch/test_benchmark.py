@@ -22,19 +22,6 @@ def _run(*args: str, timeout: float = 240) -> list[dict]:
     return rows
 
 
-def test_layer_prints_the_halo_overhead():
-    """Both ratios (over the best plain conv on the block, over a pre-cut window), forward
-    and backward apart, for the blocking, overlapped and whole-window paths."""
-    rows = _run("layer", "--size", "12", "--channels", "2", "--trials", "2")
-    assert rows[0]["kind"] == "layer" and rows[0]["local_block"] == [6, 12, 12]
-    assert set(rows[0]["fair"]) == set(rows[0]["vs_window"]) == {"overlap", "blocking", "window_exchange"}
-    assert set(rows[0]["fair"]["blocking"]) == {"total", "forward", "backward", "cpu"}
-    seconds = rows[0]["seconds"]
-    assert seconds["best_plain"] <= min(seconds["plain"], seconds["plain_torch"]) + 1e-9
-    assert rows[-1]["halo_fair_2x1x1"] == rows[0]["fair"]["blocking"]["total"] > 0
-    assert rows[-1]["halo_fair_overlap_forward_2x1x1"] > 0 and rows[-1]["halo_vs_window_2x1x1"] > 0
-
-
 def test_step_measures_and_predicts_every_grid(tmp_path: Path):
     """The step benchmark times serial, spatial 2, data 2 and weak spatial 2, and predicts
     each from a calibration it measures (with each layer's local time) when none exists."""
@@ -64,11 +51,22 @@ def test_step_measures_and_predicts_every_grid(tmp_path: Path):
         max(abs(e) for e in step["prediction_error_vs_best"].values())
 
 
-def test_record_appends_the_summary_as_a_result_record(tmp_path: Path):
-    """``--record FILE``: one record per summary, its figures the summary's, with the command
-    (less where output went), the case (the arguments off their defaults) and the load."""
+def test_layer_prints_the_halo_overhead_and_records_it(tmp_path: Path):
+    """Both ratios (over the best plain conv on the block, over a pre-cut window), forward
+    and backward apart, for the blocking, overlapped and whole-window paths; and
+    ``--record FILE``: one record per summary, its figures the summary's, with the command
+    (less where output went), the case (the arguments off their defaults) and the load,
+    appended by the next run."""
     path = tmp_path / "results" / "layer.jsonl"
     rows = _run("layer", "--size", "12", "--channels", "2", "--trials", "2", "--record", str(path))
+    assert rows[0]["kind"] == "layer" and rows[0]["local_block"] == [6, 12, 12]
+    assert set(rows[0]["fair"]) == set(rows[0]["vs_window"]) == {"overlap", "blocking", "window_exchange"}
+    assert set(rows[0]["fair"]["blocking"]) == {"total", "forward", "backward", "cpu"}
+    seconds = rows[0]["seconds"]
+    assert seconds["best_plain"] <= min(seconds["plain"], seconds["plain_torch"]) + 1e-9
+    assert rows[-1]["halo_fair_2x1x1"] == rows[0]["fair"]["blocking"]["total"] > 0
+    assert rows[-1]["halo_fair_overlap_forward_2x1x1"] > 0 and rows[-1]["halo_vs_window_2x1x1"] > 0
+
     _run("layer", "--size", "12", "--channels", "2", "--trials", "2", "--record", str(path))
     first, second = [json.loads(line) for line in path.read_text().splitlines()]
     summary = rows[-1]
