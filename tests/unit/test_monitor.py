@@ -18,10 +18,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+MONITOR = REPO / "parallel" / "runtime" / "monitor.py"
+# A stand-in rank: the monitor's client side, loaded from its file (it needs only the
+# standard library; through the package, every stand-in would import torch first)
 RANK = """
-import sys, threading, time
-sys.path.insert(0, {repo!r})
-from parallel.runtime import monitor
+import importlib.util, threading, time
+spec = importlib.util.spec_from_file_location("monitor", {path!r})
+monitor = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(monitor)
 for _ in range(6):
     threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
 print("up", flush=True)
@@ -33,11 +37,11 @@ time.sleep(600)
 
 def _launch(notes: Path, n: int) -> tuple[list[subprocess.Popen], subprocess.Popen]:
     """``n`` ranks and their monitor, every rank connected to it."""
-    ranks = [subprocess.Popen([sys.executable, "-c", RANK.format(repo=str(REPO), notes=str(notes), rank=r)],
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK.format(path=str(MONITOR), notes=str(notes), rank=r)],
                               stdout=subprocess.PIPE, stdin=subprocess.DEVNULL) for r in range(n)]
     for p in ranks:
         assert p.stdout.readline().strip() == b"up"
-    mon = subprocess.Popen([sys.executable, str(REPO / "parallel" / "runtime" / "monitor.py"), str(notes), "host",
+    mon = subprocess.Popen([sys.executable, str(MONITOR), str(notes), "host",
                             *(f"{r}:{p.pid}" for r, p in enumerate(ranks))],
                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     for p in ranks:
