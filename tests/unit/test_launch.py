@@ -1,5 +1,5 @@
 """Decisions of the launch path that need no cluster: which launcher a process's variables
-select (MPI only when its world is the launcher's), a rendezvous host that does not
+select (MPI only when its world is the launcher's), the first host of a Slurm node list, a rendezvous host that does not
 resolve, staging's synchronisation on the CPU group, the stop signal, and the srun task
 wrapper that records each task's status."""
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from parallel.runtime.launch import RendezvousError, detect_launcher, mpi_world_size
+from parallel.runtime.launch import RendezvousError, detect_launcher, first_slurm_host, mpi_world_size
 from parallel.train import stopsignal
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,3 +115,21 @@ def test_srun_task_wrapper_records_status_and_passes_usr1_on(tmp_path):
     p.send_signal(signal.SIGUSR1)
     assert p.wait(60) == 5
     assert (tmp_path / "b" / "task_3").read_text().split()[3] == "5"
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({}, "single"),
+    ({"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "torchrun"),
+    ({"PMI_RANK": "1", "PMI_SIZE": "4"}, "mpi"),
+    ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"}, "mpi"),
+    ({"SLURM_PROCID": "3", "SLURM_NTASKS": "8"}, "slurm"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, "single"),
+])
+def test_launcher_detection(env, expected):
+    assert detect_launcher(env) == expected
+
+
+@pytest.mark.parametrize("nodelist,host", [("gpu[012-015,020]", "gpu012"), ("cn7,cn9", "cn7"),
+                                           ("node[3,5]", "node3"), ("login", "login")])
+def test_first_slurm_host(nodelist, host):
+    assert first_slurm_host(nodelist) == host
