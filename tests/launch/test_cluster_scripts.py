@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from mlperf_logs import compliant, mllog
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts"
 STANDIN = ROOT / "tests" / "support" / "slurm"
@@ -38,24 +40,6 @@ def _run(cmd: list[str], env: dict, cwd: Path = ROOT) -> subprocess.CompletedPro
     proc = subprocess.run(["timeout", str(TIMEOUT), *cmd], cwd=cwd, env=env, capture_output=True, text=True)
     print(proc.stdout[-6000:], proc.stderr[-6000:])
     return proc
-
-
-def _mllog(path: Path) -> dict[str, list[dict]]:
-    out: dict[str, list[dict]] = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.startswith(":::MLLOG "):
-            rec = json.loads(line[len(":::MLLOG "):])
-            out.setdefault(rec["key"], []).append(rec)
-    return out
-
-
-def _compliant(result: Path) -> bool:
-    """The MLPerf HPC 3.0.0 compliance checker, in-process, on one result file."""
-    from mlperf_logging.compliance_checker import mlp_compliance
-
-    checker = mlp_compliance.make_checker("hpc", "3.0.0", True, False)
-    valid, _, _, _ = mlp_compliance.main(str(result), "hpc_3.0.0/common.yaml", checker)
-    return bool(valid)
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +87,7 @@ def test_launch_mpirun_2_ranks_binds_and_logs_placement(data, tmp_path):
     assert re.search(r"-bind-to core:\d+|--map-by slot:PE=\d+ --bind-to core", out) or "oversubscribe" in out
     assert "OMP_NUM_THREADS=1 LOCAL_WORLD_SIZE=2" in out
     assert re.search(r"placement: 2 ranks on 1 node\(s\).*1/1 spatial groups of 2 within one node", out)
-    log = _mllog(run / "mlperf.log")
+    log = mllog(run / "mlperf.log")
     assert log["number_of_ranks"][0]["value"] == 2 and log["spatial_split"][0]["value"] == [2, 1, 1]
     assert log["number_of_nodes"][0]["value"] == 1
 
@@ -121,7 +105,7 @@ def test_run_and_time_torchrun_4_ranks_unet_prints_result(data, tmp_path):
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT,")]
     _, name, empty, seconds, org, _date = line.split(",")
     assert (name, empty, org) == ("IMAGE_SEGMENTATION", "", "testorg") and float(seconds) > 0
-    log = _mllog(run / "mlperf.log")
+    log = mllog(run / "mlperf.log")
     assert float(seconds) == pytest.approx((log["run_stop"][0]["time_ms"] - log["run_start"][0]["time_ms"]) / 1000)
     assert log["run_stop"][0]["metadata"]["status"] == "success"
     assert log["number_of_ranks"][0]["value"] == 4 and log["submission_platform"][0]["value"] == "testbox"
@@ -158,8 +142,8 @@ def test_sbatch_strong_scaling_two_runs(data, tmp_path):
     bench = results / "spatialcnn" / "results" / "slurmbox" / "strong" / "cosmoflow"
     found = sorted(bench.glob("result_*.txt"))
     assert [p.name for p in found] == ["result_0.txt", "result_1.txt"]
-    assert [_mllog(p)["seed"][0]["value"] for p in found] == [101, 102]
-    assert all(_compliant(p) for p in found)
+    assert [mllog(p)["seed"][0]["value"] for p in found] == [101, 102]
+    assert all(compliant(p) for p in found)
     assert len(list(logs.glob("slurm_*_1.log"))) == 1 and len(list(logs.glob("slurm_*_2.log"))) == 1
     assert (results / "spatialcnn" / "systems" / "slurmbox.json").is_file()
 
@@ -185,8 +169,8 @@ def test_documented_weak_scaling_submission(tmp_path):
     bench = org / "results" / "local" / "weak" / "cosmoflow"
     found = sorted(bench.glob("result_*.txt"))
     assert [p.name for p in found] == ["result_0.txt", "result_1.txt"]
-    assert all(_compliant(p) for p in found)
-    logs_ = [_mllog(p) for p in found]
+    assert all(compliant(p) for p in found)
+    logs_ = [mllog(p) for p in found]
     assert [g["spatial_split"][0]["value"] for g in logs_] == [[2, 1, 1], [1, 2, 1]]
     assert [g["seed"][0]["value"] for g in logs_] == [7, 8]
     assert all(g["run_stop"][0]["metadata"]["status"] == "success" for g in logs_)

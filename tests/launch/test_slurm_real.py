@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mlperf_logs import compliant, mllog
 from slurm_cluster import SlurmCluster, alive, slurm  # noqa: F401 - the session fixture
 from train_helpers import prepare
 
@@ -70,22 +71,6 @@ def _console(job: str) -> tuple[Path, str]:
     (path,) = sorted((ROOT / "runs").glob(f"slurm-{job}_*.out"), key=lambda p: p.stat().st_mtime)[-1:]
     CONSOLES.append(path)
     return path, path.read_text(errors="replace")
-
-
-def _mllog(path: Path) -> dict[str, list[dict]]:
-    out: dict[str, list[dict]] = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.startswith(":::MLLOG "):
-            rec = json.loads(line[len(":::MLLOG "):])
-            out.setdefault(rec["key"], []).append(rec)
-    return out
-
-
-def _compliant(result: Path) -> bool:
-    from mlperf_logging.compliance_checker import mlp_compliance
-
-    checker = mlp_compliance.make_checker("hpc", "3.0.0", True, False)
-    return bool(mlp_compliance.main(str(result), "hpc_3.0.0/common.yaml", checker)[0])
 
 
 def _weights(run: Path) -> dict[str, torch.Tensor]:
@@ -161,10 +146,10 @@ def test_strong_submission_and_a_repeated_job_id(slurm, data, tmp_path):
     assert f"logs in {logdir}" in out and "srun --nodes=1 --ntasks=2" in out
     assert re.search(r"INFO placement: 2 ranks on 1 node\(s\).*n1: ranks 0-1", out)
     bench = results / "spatialcnn" / "results" / SYSTEM / "strong" / "cosmoflow"
-    assert [p.name for p in bench.glob("result_*.txt")] == ["result_0.txt"] and _compliant(bench / "result_0.txt")
-    assert "staging_stop" in _mllog(logdir / "run_1" / "mlperf.log")
+    assert [p.name for p in bench.glob("result_*.txt")] == ["result_0.txt"] and compliant(bench / "result_0.txt")
+    assert "staging_stop" in mllog(logdir / "run_1" / "mlperf.log")
     assert stage.is_dir() and not list(stage.iterdir())  # staged at init, removed at the end of the job
-    first_stop = _mllog(logdir / "run_1" / "mlperf.log")["run_stop"][0]["time_ms"]
+    first_stop = mllog(logdir / "run_1" / "mlperf.log")["run_stop"][0]["time_ms"]
 
     # A fresh controller state: job ids start again at 1. A stale staging folder of that id stays untouched.
     slurm.restart_controller(clear=True)
@@ -184,10 +169,10 @@ def test_strong_submission_and_a_repeated_job_id(slurm, data, tmp_path):
     # it trained its own two runs (1 step, no target: aborted), and reported and collected only those
     assert proc2.returncode != 0 and len(re.findall(r"^RESULT,", out2, re.M)) == 2
     assert "mlperf.log was not written by this run" not in out2
-    assert [_mllog(logdir2 / f"run_{i}" / "mlperf.log")["seed"][0]["value"] for i in (1, 2)] == [10, 11]
+    assert [mllog(logdir2 / f"run_{i}" / "mlperf.log")["seed"][0]["value"] for i in (1, 2)] == [10, 11]
     assert sorted(p.name for p in bench.glob("result_*.txt")) == ["result_0.txt", "result_1.txt", "result_2.txt"]
-    assert _mllog(bench / "result_0.txt")["run_stop"][0]["time_ms"] == first_stop
-    assert [_mllog(bench / f"result_{i}.txt")["seed"][0]["value"] for i in (1, 2)] == [10, 11]
+    assert mllog(bench / "result_0.txt")["run_stop"][0]["time_ms"] == first_stop
+    assert [mllog(bench / f"result_{i}.txt")["seed"][0]["value"] for i in (1, 2)] == [10, 11]
     assert (stale / "marker").read_text() == "an earlier job's"
     assert [p.name for p in stage.iterdir()] == [stale.name]
 
@@ -223,7 +208,7 @@ def test_weak_submission_on_two_nodes(slurm, data, tmp_path):
         assert f"--relative={i}" in console and re.search(rf"INFO placement: 1 ranks on 1 node\(s\).*{node}: ranks 0",
                                                          console)
     found = sorted((results / "spatialcnn" / "results" / SYSTEM / "weak" / "cosmoflow").glob("result_*.txt"))
-    assert len(found) == 2 and all(_compliant(p) for p in found)
+    assert len(found) == 2 and all(compliant(p) for p in found)
     assert "collect: weak scaling: 2/2 models passed" in out
     assert not list(stage.iterdir())
 
