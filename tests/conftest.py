@@ -76,7 +76,12 @@ LONGEST_FIRST = {
 }
 
 NIGHTLY = {
-    # the nightly test -> the CI test that carries the same proof
+    # the nightly test (or one case of it: name[id]) -> the CI test that carries the same proof
+    "ranks/test_monai.py::test_network_equals_its_serial_self[VNet-S122]":
+        "ranks/test_monai.py::test_network_equals_its_serial_self[VNet-D2] (VNet's layers split: 5^3 convolutions, "
+        "strided and transposed 2^3 convolutions, BatchNorm, the skip concatenations) and the split in two dims at "
+        "once for those layers: ranks/test_layers.py (k3-corners-1x2x2, k5-pad2-W4-halo-wider-than-block, "
+        "k3-stride2-1x2x2 transposed) and every other network's S122 case (UNet, BasicUNet, SegResNet ...)",
     "launch/test_elastic.py::test_a_node_dies_and_the_cosmoflow_job_finishes_on_the_survivors":
         "launch/test_elastic.py::test_a_node_dies_and_the_job_finishes_on_the_survivors (the elastic path: the U-Net "
         "at spatial 2, data 2 -> 1, accumulation 2; the loop is shared); CosmoFlow's accumulation and clipping equal "
@@ -105,7 +110,7 @@ def _where(item: pytest.Item) -> str:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Give every test its folder's tier; refuse a test outside the tier folders; leave the
     nightly tier out unless ``-m`` names it."""
-    names = {f"{_where(item)}::{item.originalname}" for item in items}
+    names = {f"{_where(item)}::{n}" for item in items for n in (item.originalname, item.name)}
     files = {n.split("::")[0] for n in names}
     unknown = [n for n in {**NIGHTLY, **dict.fromkeys(SLOW)} if n.split("::")[0] in files and n not in names]
     if unknown:
@@ -126,7 +131,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         # fixtures, the real Slurm cluster, stay within it)
         if grouped:
             item.add_marker(pytest.mark.xdist_group("ranks" if tier == "ranks" else where))
-        if f"{where}::{item.originalname}" in NIGHTLY:
+        if f"{where}::{item.originalname}" in NIGHTLY or f"{where}::{item.name}" in NIGHTLY:
             item.add_marker(pytest.mark.nightly)
         if f"{where}::{item.originalname}" in SLOW:
             item.add_marker(pytest.mark.slow)

@@ -32,7 +32,8 @@ NETS = [
     ("EfficientNet", {"D2": (1, 1, 32, 32, 32), "S122": (1, 1, 32, 32, 32), "data2": (2, 1, 32, 32, 32)}),
 ]
 GRIDS = {"D2": (2, D2), "S122": (4, S122), "data2": (4, D2)}
-SLOW = {("VNet", "S122"), ("BasicUNet", "S122")}  # ~30 s each on a loaded 2-core machine
+SLOW = {("VNet", "S122"), ("BasicUNet", "S122")}  # ~30 s each on a loaded 2-core machine (VNet's: nightly,
+# tests/conftest.py NIGHTLY names what carries its proof in CI)
 CASES = [pytest.param(name, config, shape, id=f"{name}-{config}", marks=slow if (name, config) in SLOW else ())
          for name, shapes in NETS for config, shape in shapes.items()]
 
