@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel.layers.base import SpatialMixin
+from parallel.layers.precision import sum_dtype
 from parallel.layers.replicated import mark_replicated
 from parallel.partition import DIM_NAMES, SplitError
 from parallel.split.halo import ExchangePlan, fetch
@@ -83,7 +84,9 @@ class _SpatialAdaptivePool(SpatialMixin):
     def _reduce(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         if self.kind == "max":
             return x.max(dim, keepdim=True).values  # the first maximum, as torch's kernel picks
-        return x.sum(dim, keepdim=True)
+        # bfloat16/float16 blocks are summed, exchanged and added in float32 (parallel.layers.precision):
+        # the partial sums of a global pool rounded rank by rank would round once per rank
+        return x.sum(dim, keepdim=True, dtype=sum_dtype(x.dtype))
 
     def _local(self, x: torch.Tensor, axis: int, m: int) -> torch.Tensor:
         if x.shape[axis + 2] == m:

@@ -44,6 +44,7 @@ from torch import nn
 from parallel import comm
 from parallel.comm import all_reduce_sum
 from parallel.layers.base import SpatialMixin
+from parallel.layers.precision import compute_dtypes
 from parallel.layers.replicated import is_replicated
 
 Span = tuple[int, int]
@@ -172,15 +173,32 @@ class SpatialLinear(SpatialMixin, nn.Linear):
             if (c, dims) != (self.shard.channels, self.shard.dims):
                 raise ValueError(f"{self.where}: its weight is sharded for a {self.shard.channels}x"
                                  f"{'x'.join(map(str, self.shard.dims))} volume, got {c}x{'x'.join(map(str, dims))}")
-            partial = F.linear(x.flatten(1), self.weight)
+            weight = self.weight
         else:
             if self.window_hook is not None:
                 self.window_hook(self, x, dims)
             ranges = self.cached(("range", dims), lambda: self.grid.block_range(dims))
             block = _block_view(self.weight, c, dims, ranges)  # type: ignore[arg-type]
-            partial = F.linear(x.flatten(1), block.reshape(self.out_features, -1))
-        y = all_reduce_sum(partial, self.grid.spatial_group)
-        return y if self.bias is None else y + self.bias
+            weight = block.reshape(self.out_features, -1)
+        return self._summed(x.flatten(1), weight)
+
+    def _summed(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The partial product of this rank's columns, summed over the spatial group, plus the
+        bias. Under bfloat16/float16 (autocast, or inputs of that dtype) the partials are formed
+        from the rounded inputs in float32 (the products of rounded values are exact there),
+        summed across ranks in float32 and rounded once, as the serial layer rounds its
+        float32 accumulation once (``parallel.layers.precision``); the backward follows in
+        float32 and rounds the input gradient once."""
+        dtype, work = compute_dtypes(x)
+        if work == dtype:
+            y = all_reduce_sum(F.linear(x, weight), self.grid.spatial_group)
+            return y if self.bias is None else y + self.bias
+        with torch.autocast(x.device.type, enabled=False):
+            partial = F.linear(x.to(dtype).to(work), weight.to(dtype).to(work))
+            y = all_reduce_sum(partial, self.grid.spatial_group)
+            if self.bias is not None:
+                y = y + self.bias.to(dtype).to(work)
+            return y.to(dtype)
 
     def _shard_at_forward(self, channels: int, dims: tuple[int, int, int]) -> None:
         """The first forward on a split block: the volume is known now, shard the weight."""

@@ -28,6 +28,7 @@ from typing import Any, Sequence
 import torch
 
 from parallel.layers.conv.kernels import conv3d, conv3d_backward
+from parallel.layers.precision import compute_dtypes
 from parallel.split.halo import ExchangePlan, in_background
 from parallel.split.shell import ShellStep, fetch_shell, reduce_shell, shell_step
 
@@ -170,26 +171,6 @@ def _out_lengths(fix: Correction, geo: ShellGeometry) -> list[int | None]:
     return [None if b + 2 == fix.dim else geo.out_len[b] for b in range(3)]
 
 
-def sum_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a split convolution's partial results (the block's convolution and the
-    shell's corrections) are computed and summed in, for inputs rounded to ``dtype``.
-
-    bfloat16 and float16 are summed in float32 from the rounded inputs and rounded once at
-    the end, as torch's own convolution rounds its output once: the pieces rounded apart
-    and added in low precision round boundary voxels up to three times, which a network of
-    norms over few voxels amplifies (the self-check's network: 0.149 relative on the input
-    gradient against 0.05 allowed, 0.015 summed in float32). A function of the dtype alone,
-    never of the device: a GPU runs the arithmetic the CPU tests prove."""
-    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-
-
-def _compute_dtype(x: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
-    """(the dtype autocast rounds inputs to, the dtype the sums run in: ``sum_dtype``)."""
-    kind = x.device.type
-    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
-    return dtype, sum_dtype(dtype)
-
-
 class ShellConv(torch.autograd.Function):
     """conv3d of the window ``halo.fetch_all(x)``, computed as the block's convolution plus
     the shell's corrections (see the module docstring)."""
@@ -198,7 +179,7 @@ class ShellConv(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 geo: ShellGeometry, conv: tuple, overlap: bool) -> torch.Tensor:
         stride, dilation, groups = conv
-        dtype, work = _compute_dtype(x)
+        dtype, work = compute_dtypes(x)
         dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         with torch.autocast(x.device.type, enabled=False):
             x, weight = x.detach().to(dtype).to(work), weight.detach().to(dtype).to(work)
