@@ -1,15 +1,18 @@
-"""Does K-FAC pay? SGD against K-FAC on the CosmoFlow and U-Net quickstarts.
+"""Does K-FAC pay, and does bf16 train like fp32? Variants of the CosmoFlow and U-Net quickstarts.
 
 Each run is the family's quickstart (``--config-name quickstart``, 2 ranks under mpirun,
 each sample split in depth, as ``scripts/quickstart.sh`` runs it) with one seed and one
-optimiser variant, stopped at the quality target. SGD runs the quickstart's own settings;
-K-FAC runs them with ``optim.name=kfac`` and the settings ``sweep`` chose. Runs of both
-variants alternate (seed by seed, the order flipped each seed), and the load average is
-recorded before and after each, so that other work on the machine hits both alike.
+variant, stopped at the quality target. ``sgd`` runs the quickstart's own settings (fp32);
+``kfac`` runs them with ``optim.name=kfac`` and the settings ``sweep`` chose; ``bf16`` runs
+them with ``train.precision=bf16``. Runs of the chosen variants alternate (seed by seed, the
+order flipped each seed), and the load average is recorded before and after each, so that
+other work on the machine hits them alike.
 
     python scripts/compare_optim.py sweep --model cosmoflow   # tune K-FAC: seed 0, short runs
-    python scripts/compare_optim.py run --seeds 0 1 2         # the comparison (both models)
+    python scripts/compare_optim.py run --seeds 0 1 2         # SGD against K-FAC (both models)
     python scripts/compare_optim.py report                    # table + docs/kfac_compare.png
+    python scripts/compare_optim.py --out runs/compare_bf16 run --variants sgd bf16
+    python scripts/compare_optim.py --out runs/compare_bf16 report --png docs/bf16_compare.png
 
 Results go to ``runs/compare_optim/`` (``results.jsonl``: one line per run with its evaluation
 curve; ``sweep.jsonl``); ``report`` prints a Markdown table of epochs and seconds to the
@@ -45,7 +48,7 @@ KFAC = {
     "unet3d": ["optim.name=kfac", "optim.lr=0.1", "optim.kfac.damping=0.1", "optim.kfac.factor_interval=2",
                "optim.kfac.inverse_interval=10"],
 }
-VARIANTS = {model: {"sgd": [], "kfac": KFAC[model]} for model in KFAC}
+VARIANTS = {model: {"sgd": [], "kfac": KFAC[model], "bf16": ["train.precision=bf16"]} for model in KFAC}
 
 # The sweep: damping, intervals and learning rate from the usual K-FAC values (damping
 # 1e-3, factors every 10 steps, inverses every 100) towards what the first results asked
@@ -153,6 +156,7 @@ def run_one(model: str, variant: str, seed: int, overrides: list[str], run_dir: 
     reach = first_reach(points, goal, target)
     row.update(status=summary["status"], best=summary["best_metric"], steps=summary["steps"],
                run_seconds=summary["run_seconds"], curve=points,
+               peak_memory_bytes=max(summary.get("peak_memory_bytes_per_rank") or [0]),
                epochs_to_target=reach[0] if reach else None, seconds_to_target=reach[1] if reach else None)
     return row
 
@@ -183,7 +187,7 @@ def run(args: argparse.Namespace) -> None:
     """Every (seed, model, variant), the variants' order flipped each seed."""
     for k, seed in enumerate(args.seeds):
         for model in args.models:
-            names = list(VARIANTS[model]) if k % 2 == 0 else list(reversed(VARIANTS[model]))
+            names = list(args.variants) if k % 2 == 0 else list(reversed(args.variants))
             for variant in names:
                 row = run_one(model, variant, seed, VARIANTS[model][variant] + list(args.set),
                               args.out / "runs" / f"{model}-{variant}-{seed}", args.nproc, args.timeout)
@@ -199,12 +203,12 @@ def report(args: argparse.Namespace) -> None:
     results = args.out / "results.jsonl"
     rows = [json.loads(l) for l in results.read_text().splitlines() if l.strip()] if results.is_file() else []
     rows = [r for r in rows if r.get("returncode") == 0]
-    print("| model | optimiser | seeds reaching target | epochs to target (median; each) | interpolated | metric at "
-          "the first evaluation | seconds to target (median; each) | train samples/s (median) | load avg (1 min) "
-          "before-after |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| model | variant | seeds reaching target | epochs to target (median; each) | interpolated | metric at "
+          "the first evaluation | seconds to target (median; each) | train samples/s (median) | peak memory per "
+          "rank, MiB (median) | load avg (1 min) before-after |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for model in TARGET:
-        for variant in ("sgd", "kfac"):
+        for variant in VARIANTS[model]:
             mine = sorted((r for r in rows if r["model"] == model and r["variant"] == variant),
                           key=lambda r: r["seed"])
             if not mine:
@@ -217,10 +221,12 @@ def report(args: argparse.Namespace) -> None:
             first = [r["curve"][0][2] for r in mine if r["curve"]]
             rates = [t for t in (throughput(args.out / "runs" / f"{model}-{variant}-{r['seed']}") for r in mine)
                      if t is not None]
+            peaks = [r["peak_memory_bytes"] / 2**20 for r in mine if r.get("peak_memory_bytes")]
             print(f"| {model} | {variant} | {len(hit)}/{len(mine)} | {_median(ep)}; "
                   f"{', '.join(f'{e:g}' for e in ep)} | {_median(est)}; {', '.join(f'{e:.2f}' for e in est)} | "
                   f"{', '.join(f'{v:.3f}' for v in first)} | "
-                  f"{_median(sec)}; {', '.join(f'{s:.0f}' for s in sec)} | {_median(rates)} | {', '.join(loads)} |")
+                  f"{_median(sec)}; {', '.join(f'{s:.0f}' for s in sec)} | {_median(rates)} | {_median(peaks)} | "
+                  f"{', '.join(loads)} |")
     sweep_path = args.out / "sweep.jsonl"
     if sweep_path.is_file():
         print("\n| model | candidate | settings | validation metric at the last epoch | epochs to target |")
@@ -246,7 +252,7 @@ def draw(rows: list[dict[str, Any]], png: Path) -> None:
 
     models = [m for m in TARGET if any(r["model"] == m for r in rows)]
     fig, axes = plt.subplots(len(models), 2, figsize=(10, 3.6 * len(models)), squeeze=False)
-    colour = {"sgd": "tab:blue", "kfac": "tab:red"}
+    colour = {"sgd": "tab:blue", "kfac": "tab:red", "bf16": "tab:green"}
     for i, model in enumerate(models):
         metric, _, target = TARGET[model]
         for j, (col, label) in enumerate([(0, "epochs"), (1, "seconds since run start (loaded 2-core machine)")]):
@@ -283,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run", help=run.__doc__)
     r.add_argument("--models", nargs="+", default=list(TARGET), choices=list(TARGET))
     r.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    r.add_argument("--variants", nargs="+", default=["sgd", "kfac"], choices=list(VARIANTS["cosmoflow"]),
+                   help="which variants to alternate (default: %(default)s; sgd is the fp32 quickstart)")
     r.add_argument("--set", nargs="*", default=[], help="Hydra overrides for every run")
     g = sub.add_parser("report", help=report.__doc__)
     g.add_argument("--png", type=Path, default=REPO / "docs" / "kfac_compare.png")

@@ -36,8 +36,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "support"))
 
-from harness import Pools  # noqa: E402
-
 TIER_NAMES = ("unit", "ranks", "launch")
 
 SLOW = {
@@ -82,6 +80,13 @@ NIGHTLY = {
         "strided and transposed 2^3 convolutions, BatchNorm, the skip concatenations) and the split in two dims at "
         "once for those layers: ranks/test_layers.py (k3-corners-1x2x2, k5-pad2-W4-halo-wider-than-block, "
         "k3-stride2-1x2x2 transposed) and every other network's S122 case (UNet, BasicUNet, SegResNet ...)",
+    "ranks/test_monai.py::test_network_equals_its_serial_self[DenseNet121-S122]":
+        "ranks/test_monai.py::test_network_equals_its_serial_self[DenseNet121-D2] (DenseNet's layers split: dense "
+        "concatenations, BatchNorm, the average-pool transitions, the global pool before the head) and "
+        "[resnet10-S122], [resnet18-S122] (BatchNorm, max pool, the global pool and Linear head at two split dims)",
+    "ranks/test_monai.py::test_network_equals_its_serial_self[DenseNet121-data2]":
+        "ranks/test_monai.py::test_network_equals_its_serial_self[DenseNet121-D2] (its layers split) and "
+        "[resnet10-data2], [resnet18-data2] (BatchNorm per data group, the global pool and head at data 2)",
     "launch/test_elastic.py::test_a_node_dies_and_the_cosmoflow_job_finishes_on_the_survivors":
         "launch/test_elastic.py::test_a_node_dies_and_the_job_finishes_on_the_survivors (the elastic path: the U-Net "
         "at spatial 2, data 2 -> 1, accumulation 2; the loop is shared); CosmoFlow's accumulation and clipping equal "
@@ -163,6 +168,8 @@ def job_pool(tmp_path_factory):
 @pytest.fixture(scope="session")
 def pools():
     """Spawned gloo worlds of 2, 3, 4 (and 8) ranks, started on first use and reused."""
+    from harness import Pools  # loaded on use: collecting alone (tests/unit/test_tiers.py) imports no torch
+
     p = Pools()
     yield p
     p.close()

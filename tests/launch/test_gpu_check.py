@@ -30,9 +30,12 @@ def _dry_run(out: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]
 def test_gpu_check_cpu_dry_run_passes(tmp_path):
     # CI: the script itself (its steps, table and report) on its self-checks and probe
     proc, steps = _dry_run(tmp_path, "--skip", "layers", "train")
-    for expected in ("selfcheck 1 rank(s) gloo fp32", "selfcheck 1 rank(s) gloo bf16", "selfcheck 2 rank(s) gloo fp32"):
-        assert expected in steps, sorted(steps)
-    assert steps["selfcheck 2 rank(s) gloo fp32"]["data"]["max_rel_diff"] <= 1e-5
+    assert sorted(n for n in steps if n.startswith("selfcheck")) == ["selfcheck 1 rank(s) gloo bf16",
+                                                                      "selfcheck 2 rank(s) gloo bf16"]
+    # torchrun, 2 ranks, bf16 on the path every device takes: the split convolutions summed in
+    # float32 from rounded inputs (~0.015 relative); summed in bf16, as GPUs once did, 0.149 against 0.05
+    split = steps["selfcheck 2 rank(s) gloo bf16"]["data"]
+    assert split["max_rel_diff"] <= split["tolerance"] / 2, split
     assert any(name.startswith("probe") for name in steps)
     assert not any(name.startswith(("layer", "train")) for name in steps)
     assert "status  seconds  notes" in proc.stdout  # the table

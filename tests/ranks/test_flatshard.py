@@ -56,3 +56,18 @@ def test_whole_state_loads_as_the_shard_and_trains_on_equal(pools, spatial):
 def test_kfac_leaves_a_sharded_linear_to_the_plain_update(pools):
     logged = pools.run(2, shard_cases.kfac_leaves_the_shard, spatial=(2, 1, 1))
     assert any("sharded by block" in line for line in logged[0]), logged[0]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("spatial", [(2, 1, 1), (2, 2, 1)], ids=["D2", "D2xH2"])
+def test_low_precision_output_and_gradients_are_as_close_to_exact_as_the_serial_layers(pools, spatial, dtype):
+    """Under autocast the sharded Flatten+Linear forms its partial products in float32, sums
+    them across ranks in float32 and rounds once, as the serial layer rounds its float32
+    accumulation once: its output and gradients are as close to the exact result of the
+    rounded inputs as the serial layer's (summed in low precision, rank by rank, they were not)."""
+    results = pools.run(math.prod(spatial), shard_cases.low_precision_like_serial, dtype, spatial=spatial)
+    for r in results:
+        for what, serial in r["serial"].items():
+            # one rounding of the output (2^-8 relative in bf16) or of a gradient, not one per rank
+            assert r["split"][what] <= 1.5 * serial + 1e-7, (what, r)
+        assert r["dtypes"] == [f"torch.{dtype}"] * 2, r  # rounded once, to autocast's dtype, as the serial layer

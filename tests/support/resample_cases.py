@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import cases
+import parallel
 from parallel.grid import Grid
 
 
@@ -102,3 +103,20 @@ def replicated_volume_output(grid: Grid) -> float:
     for (name, p), q in zip(pmodel.module.named_parameters(), serial.parameters()):
         worst = max(worst, cases.assert_close(p.grad, q.grad, f"grad of {name}", rtol=1e-12))
     return worst
+
+
+def global_pool_low_precision(grid: Grid, dtype_name: str) -> float:
+    """A global average pool of a bfloat16/float16 volume (as a convolution under autocast
+    hands it on), split, against the serial pool under the same autocast: the blocks' sums
+    are formed, exchanged and added in float32, so the two differ by float32 summation order
+    only. Returns the largest relative difference."""
+    dtype = getattr(torch, dtype_name)
+    x = torch.randn(2, 3, 8, 6, 4, generator=torch.Generator().manual_seed(0)).add_(4.0).to(dtype)
+    serial = nn.AdaptiveAvgPool3d(1)
+    pmodel = parallel.parallelize(nn.Sequential(nn.AdaptiveAvgPool3d(1)), grid)
+    with torch.autocast("cpu", dtype=dtype):
+        ref = serial(x)
+        got = pmodel(parallel.scatter(x, grid))
+    if got.dtype != torch.float32:
+        raise AssertionError(f"the split pool returned {got.dtype}: its block sums were rounded to it")
+    return float((got.double() - ref.double()).abs().max() / ref.double().abs().max())

@@ -168,3 +168,48 @@ def kfac_leaves_the_shard(grid: Grid) -> list[str]:
     if "4" in names:
         raise AssertionError(f"K-FAC preconditions the sharded Linear: {names}")
     return [r for r in records if "sharded" in r]
+
+
+def low_precision_like_serial(grid: Grid, dtype_name: str) -> dict[str, Any]:
+    """A Flatten+Linear of 2,048 features under autocast (``dtype_name``: bfloat16 or
+    float16), sharded, against the serial layer under the same autocast: each one's error
+    from the exact result of the rounded inputs (float64 products and sums of the values
+    autocast rounds to), for the output, the input gradient and the weight gradient (this
+    rank's columns), relative to the largest exact value. Returns {"serial": ..., "split": ...,
+    "dtypes": [the serial output's dtype, the split's]}."""
+    dtype = getattr(torch, dtype_name)
+    shape = (4, 8, 8, 8)
+    torch.manual_seed(0)
+    serial = nn.Sequential(nn.Flatten(), nn.Linear(math.prod(shape), 8))
+    pmodel = parallel.parallelize(copy.deepcopy(serial), grid, input_shape=shape)
+    layer = _sharded(pmodel)
+    gen = torch.Generator().manual_seed(1)
+    if grid.data_size != 1:
+        raise AssertionError("a spatial grid only: the weight gradient is compared before any data-group average")
+    x = torch.randn(2, *shape, generator=gen)
+    g = torch.randn(x.shape[0], 8, generator=gen)
+    lin = serial[1]
+
+    def rounded(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to(dtype).double()
+
+    # exact maths on the rounded values (the output gradient reaches the layer rounded, as y is)
+    xr, wr, br, gr = rounded(x.flatten(1)), rounded(lin.weight), rounded(lin.bias), rounded(g)
+    exact = {"output": xr @ wr.T + br, "input grad": (gr @ wr).reshape(x.shape), "weight grad": gr.T @ xr}
+
+    def errors(model: nn.Module, xin: torch.Tensor, cut: Any) -> dict[str, float]:
+        xin = xin.detach().requires_grad_(True)
+        with torch.autocast("cpu", dtype=dtype):
+            y = model(xin)
+        dtypes.append(str(y.dtype))
+        (y.float() * g).sum().backward()
+        weight = layer.weight if model is pmodel else lin.weight
+        got = {"output": y.double(), "input grad": xin.grad.double(), "weight grad": weight.grad.double()}
+        ref = {"output": exact["output"], "input grad": cut(exact["input grad"]),
+               "weight grad": exact["weight grad"] if model is serial else layer.cut(exact["weight grad"])}
+        return {k: float((got[k] - ref[k]).abs().max() / ref[k].abs().max()) for k in got}
+
+    dtypes: list[str] = []
+    return {"serial": errors(serial, x, lambda t: t),
+            "split": errors(pmodel, parallel.scatter(x, grid), lambda t: t[(...,) + grid.block_slices(t.shape[-3:])]),
+            "dtypes": dtypes}

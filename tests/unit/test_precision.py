@@ -1,5 +1,6 @@
-"""Precision and clipping rules, in one process: the shell convolution's sums take their
-precision from the dtype (never the device); the global gradient norm and clipping of one
+"""Precision and clipping rules, in one process: the split layers' partial sums (the shell
+convolution's, the sharded Flatten+Linear's) take their precision from the dtype (never the
+device); the global gradient norm and clipping of one
 process are torch's; the loss scaler keeps torch's rules and its state_dict. (Split runs
 at every precision against serial: tests/launch/test_contract_matrix.py.)"""
 
@@ -9,17 +10,17 @@ import torch
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64],
                          ids=lambda d: str(d).split(".")[1])
-def test_the_shell_convolutions_sum_precision_depends_on_the_dtype_never_the_device(dtype):
+def test_the_split_layers_sum_precision_depends_on_the_dtype_never_the_device(dtype):
     from types import SimpleNamespace
 
-    from parallel.layers.conv.shell import _compute_dtype
+    from parallel.layers.precision import compute_dtypes
 
     want = (dtype, torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype)
-    assert _compute_dtype(torch.zeros(1, dtype=dtype)) == want
+    assert compute_dtypes(torch.zeros(1, dtype=dtype)) == want
     # a CUDA tensor cannot exist on this machine: a stand-in with the attributes the decision
     # reads; a branch on the device type (the old GPU path summed bf16 in bf16) fails here
     for device in ("cuda", "xpu", "mps"):
-        assert _compute_dtype(SimpleNamespace(device=torch.device(device), dtype=dtype)) == want, device
+        assert compute_dtypes(SimpleNamespace(device=torch.device(device), dtype=dtype)) == want, device
 
 
 
