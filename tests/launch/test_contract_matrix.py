@@ -216,8 +216,10 @@ def test_seeded_dropout_is_the_same_at_every_spatial_split(data, tmp_path):
 # - on spatial grids, SPATIAL_FACTOR (2) times the scale: a spatial split rounds where the
 #   serial run rounds, sums its partial results in float32 and rounds them once as the serial
 #   layers do, only in another order. The U-Net in fp16 stands at 1.28 on an InstanceNorm
-#   bias, not yet explained (a candidate, unverified: the split norm forms its bias gradient
-#   in float32 where torch's fp16 kernel may round it). Measured after the fix: CosmoFlow 0.13-0.14 (bf16) and 0.44 (fp16), U-Net up
+#   bias, not yet explained: torch's fp16 InstanceNorm and convolution, layer by layer, are
+#   as far from the exact result as the split's float32-then-round-once (checked), so it is
+#   no layer's rounding; norms over few voxels amplifying order differences over 4 steps is
+#   the candidate, unverified. Measured after the fix: CosmoFlow 0.13-0.14 (bf16) and 0.44 (fp16), U-Net up
 #   to 0.37 (bf16) and 1.28 (fp16). Before it, CosmoFlow bf16 at 2x2x1 stood at 1.00, inside
 #   the factor: the Flatten+Linear's rounding is caught by tests/ranks/test_flatshard.py;
 # - at data 2, DATA_FACTOR (4) times: each data group rounds its own gradient before the
