@@ -82,6 +82,37 @@ def all_reduce_async(t: torch.Tensor, group: Any, *, caller: str | None = None) 
     return dist.all_reduce(t, group=group, async_op=True)
 
 
+def reduce_scatter_async(out: torch.Tensor, t: torch.Tensor, group: Any, *, caller: str | None = None) -> Any:
+    """Start summing ``t`` over ``group`` into ``out``, this rank's part: ``t`` holds
+    ``group size`` equal parts (its length a multiple of the size), rank i of the group gets
+    the sum of part i. Returns the request; wait before reading ``out``."""
+    if not initialized() or group_size(group) == 1:
+        if out.data_ptr() != t.data_ptr():
+            out.copy_(t)
+        return _Done()
+    check_for_group(t, group, caller)
+    check_for_group(out, group, caller, what="output")
+    if t.numel() != out.numel() * group_size(group):
+        raise CommError(f"{caller or caller_name()}: reduce-scatter of {t.numel()} elements into parts of "
+                        f"{out.numel()} over {group_size(group)} ranks")
+    return dist.reduce_scatter_single(out, t, group=group, async_op=True)
+
+
+def all_gather_async(out: torch.Tensor, t: torch.Tensor, group: Any, *, caller: str | None = None) -> Any:
+    """Start gathering every rank's ``t`` into ``out`` (``group size`` parts in group rank
+    order, the reverse of ``reduce_scatter_async``). Returns the request; wait before reading ``out``."""
+    if not initialized() or group_size(group) == 1:
+        if out.data_ptr() != t.data_ptr():
+            out.copy_(t)
+        return _Done()
+    check_for_group(t, group, caller)
+    check_for_group(out, group, caller, what="output")
+    if out.numel() != t.numel() * group_size(group):
+        raise CommError(f"{caller or caller_name()}: all-gather of parts of {t.numel()} elements into "
+                        f"{out.numel()} over {group_size(group)} ranks")
+    return dist.all_gather_single(out, t, group=group, async_op=True)
+
+
 def broadcast_(t: torch.Tensor, src: int, group: Any, *, caller: str | None = None) -> torch.Tensor:
     """Overwrite ``t`` on every rank of ``group`` with ``src``'s (a global rank); returns ``t``."""
     if not initialized():

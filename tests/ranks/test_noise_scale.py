@@ -1,0 +1,13 @@
+"""The gradient noise scale: the data groups' gradients the hierarchical sync forms, against
+each group's gradient by the serial model (fp64), and the step's weights unchanged by it."""
+
+import pytest
+
+import noise_cases
+
+
+@pytest.mark.parametrize("world,spatial,accum", [(4, (2, 1, 1), 1), (4, (1, 1, 1), 2)],
+                         ids=["data2-x-spatial2", "data4-accum2"])
+def test_logged_norms_equal_each_groups_gradient_and_weights_stay(pools, world, spatial, accum):
+    worst = pools.run(world, noise_cases.logged_norms_against_groups, accum, spatial=spatial)[0]
+    assert worst["small"] < 1e-9 and worst["big"] < 1e-9, worst
