@@ -90,8 +90,13 @@ class GradSync:
         # that stay zero), and its shard has a buffer of its own.
         self.flats: list[torch.Tensor | None] = [None] * len(self.buckets)
         self.shards: list[torch.Tensor | None] = [None] * len(self.buckets)
+        # gloo's reduce-scatter goes as messages (parallel.comm.ops): the other ranks' parts land here
+        self.pairwise = hierarchical and "gloo" in comm.group_backend(spatial_group)
+        self.recvs: list[torch.Tensor | None] = [None] * len(self.buckets)
         self.small_sq: torch.Tensor | None = None  # this rank's part of the data groups' squared norms
         self.measured = False  # whether the last synced backward summed ``small_sq``
+        self.small_total: torch.Tensor | None = None  # its sum over every rank (``small_work`` when done)
+        self.small_work: Any = None
         self._handles = [p.register_post_accumulate_grad_hook(self._ready) for _, p in named]
         self._reset()
 
@@ -111,6 +116,7 @@ class GradSync:
         the next forward allocates them anew from the parameters."""
         self.flats = [None] * len(self.buckets)
         self.shards = [None] * len(self.buckets)
+        self.recvs = [None] * len(self.buckets)
 
     def _reset(self) -> None:
         self.pending = [len(b) for b in self.buckets]
@@ -189,6 +195,9 @@ class GradSync:
     def _launch_bucket(self, i: int) -> None:
         bucket = self.buckets[i]
         if i == 0 and self.measure:
+            if self.small_work is not None:  # the last step's sum, never read: done before the next starts
+                self.small_work.wait()
+                self.small_work = None
             self.small_sq = torch.zeros((), dtype=torch.float64, device=bucket[0].device)
             self.measured = False
         in_place = self._in_place(i)
@@ -198,7 +207,9 @@ class GradSync:
             shard = self.shards[i]
             if shard is None or shard.dtype != flat.dtype or shard.device != flat.device:
                 shard = self.shards[i] = flat.new_empty(flat.numel() // self.spatial_size)
-            work = comm.reduce_scatter_async(shard, flat, self.spatial_group, caller="gradsync: reduce-scatter")
+                self.recvs[i] = flat.new_empty(shard.numel() * (self.spatial_size - 1)) if self.pairwise else None
+            work = comm.reduce_scatter_async(shard, flat, self.spatial_group, recv=self.recvs[i],
+                                             caller="gradsync: reduce-scatter")
             self.scattered.append(len(self.works))
             self.works.append([work, flat, bucket, in_place, i])
         else:
@@ -261,20 +272,25 @@ class GradSync:
                 n = p.numel()
                 p.grad.copy_(flat[offset:offset + n].view_as(p))  # type: ignore[union-attr]
                 offset += n
+        if self.measure:  # the one-scalar sum over every rank, started now: read by small_norm_sq
+            self.small_total = self.small_sq.clone()  # type: ignore[union-attr]
+            self.small_work = comm.all_reduce_async(self.small_total, self.group,
+                                                    caller="gradsync: the data groups' squared norms")
         self.measured = self.measure
         self._reset()
 
     def small_norm_sq(self) -> torch.Tensor:
         """The mean over data groups of their gradient's squared norm, float64, the same on
-        every rank (a collective over every rank: one scalar). A sharded weight is counted
+        every rank (one scalar summed over every rank, started when the sync finished). A sharded weight is counted
         once, a replicated one once; the gradients as the backward left them (a loss scale
         still in them). Only after a synced backward with ``measure`` on."""
         if not self.measured or self.small_sq is None:
             raise RuntimeError("gradsync: no data group's gradient was measured in the last backward "
                                f"(measure={self.measure}, data groups {self.data_size})")
-        total = self.small_sq.clone()
-        comm.all_reduce_(total, self.group, "sum", caller="gradsync: the data groups' squared norms")
-        return total / self.data_size
+        if self.small_work is not None:
+            self.small_work.wait()
+            self.small_work = None
+        return self.small_total / self.data_size
 
     def remove(self) -> None:
         for h in self._handles:

@@ -11,3 +11,7 @@ import noise_cases
 def test_logged_norms_equal_each_groups_gradient_and_weights_stay(pools, world, spatial, accum):
     worst = pools.run(world, noise_cases.logged_norms_against_groups, accum, spatial=spatial)[0]
     assert worst["small"] < 1e-9 and worst["big"] < 1e-9, worst
+
+
+def test_reduce_scatter_and_all_gather_over_four_ranks(pools):
+    pools.run(4, noise_cases.scatter_and_gather, spatial=(2, 2, 1))

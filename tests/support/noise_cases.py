@@ -118,3 +118,24 @@ def logged_norms_against_groups(grid: Grid, accum: int, steps: int = 2) -> dict[
             raise AssertionError(f"{key}: {worst[key]:.3e} relative (limit {limit:g}) at data {grid.data_size} x "
                                  f"spatial {grid.spatial}, accumulation {accum}")
     return worst
+
+
+def scatter_and_gather(grid: Grid) -> float:
+    """``comm.reduce_scatter_async`` and ``all_gather_async`` over the spatial group (four
+    ranks, an odd part length) against the sum and the concatenation of every rank's tensor."""
+    from parallel import comm
+
+    size, n = grid.spatial_size, 5
+    every = [torch.arange(size * n, dtype=torch.float64) * (r + 1) + r for r in range(grid.world_size)]
+    mine, me = every[grid.rank], grid.spatial_rank
+    shard = torch.empty(n, dtype=torch.float64)
+    comm.reduce_scatter_async(shard, mine.clone(), grid.spatial_group).wait()
+    expected = sum(every[grid.rank - me + r] for r in range(size))[me * n:(me + 1) * n]
+    if not torch.equal(shard, expected):
+        raise AssertionError(f"rank {grid.rank}: reduce-scatter {shard.tolist()} != {expected.tolist()}")
+    out = torch.full((size * n,), -1.0, dtype=torch.float64)
+    comm.all_gather_async(out, mine[:n] + me, grid.spatial_group).wait()
+    gathered = torch.cat([every[grid.rank - me + r][:n] + r for r in range(size)])
+    if not torch.equal(out, gathered):
+        raise AssertionError(f"rank {grid.rank}: all-gather {out.tolist()} != {gathered.tolist()}")
+    return float(shard.sum())
