@@ -162,6 +162,11 @@ def test_cosmoflow_sgd_options_equal_serial_in_float64(data, tmp_path):
         assert s["clipped_steps"] == (2 if grid == "s2" else 3), (grid, s["clipped_steps"])
         # every split convolution ran the window path (serial has none: nothing is split)
         assert (s["conv_paths"] == {}) if grid == "serial" else (set(s["conv_paths"]) == {"window"}), (grid, s)
+        # the gradient noise scale: measured where there are two data groups (3 finite steps; the
+        # skipped one is not measured), said not to be elsewhere
+        noise = s["noise_scale"]
+        assert noise["measured"] == (grid == "d2s2"), (grid, noise)
+        assert noise["steps"] == 3 if grid == "d2s2" else "one data group" in noise["why"], (grid, noise)
 
 
 

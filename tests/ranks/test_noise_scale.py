@@ -15,3 +15,11 @@ def test_logged_norms_equal_each_groups_gradient_and_weights_stay(pools, world, 
 
 def test_reduce_scatter_and_all_gather_over_four_ranks(pools):
     pools.run(4, noise_cases.scatter_and_gather, spatial=(2, 2, 1))
+
+
+def test_the_step_benchmark_times_both_syncs_at_data2_x_spatial2(pools):
+    from parallel.bench.step import sync_times
+
+    r = pools.run(4, sync_times, "cosmoflow", (8, 8, 8), ["model.n_conv_blocks=2", "model.conv_filters=4"], 2, 1,
+                  spatial=(2, 1, 1))[0]
+    assert set(r["seconds"]) == {"flat", "hierarchical", "flat_again"} and r["hierarchical_over_flat"] > 0
