@@ -278,6 +278,11 @@ def test_cosmoflow_in_bf16_and_fp16_is_no_further_from_serial_than_its_own_round
         scaler = torch.load(fp16 / "checkpoints" / "last.pt", weights_only=True)["scaler"]
         assert scaler["scale"] == 2.0**15, (grid, scaler)
         assert _summary(fp16)["skipped_steps"] == 0 and _summary(tmp_path / f"cosmo_bf16_{grid}")["skipped_steps"] == 1
+    # the gradient noise scale at data 2: fp16's loss scale (2^15-2^16) divided out of the data groups'
+    # norms (bf16 carries none: the two agree to their rounding, not to a factor 2^30), the skipped step unmeasured
+    n16, nbf = (_summary(tmp_path / f"cosmo_{p}_d2s2")["noise_scale"] for p in ("fp16", "bf16"))
+    assert n16["steps"] == nbf["steps"] == 3, (n16, nbf)
+    assert 0.5 < n16["last"]["grad_sq_small"] / nbf["last"]["grad_sq_small"] < 2, (n16, nbf)
 
 
 def test_unet_in_bf16_and_fp16_is_no_further_from_serial_than_its_own_rounding(data, tmp_path):
