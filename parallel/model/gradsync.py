@@ -240,7 +240,8 @@ class GradSync:
         w[0].wait()
         shard = self.shards[w[4]]
         self._add_square(shard)  # type: ignore[arg-type]
-        w[0] = comm.all_reduce_async(shard, self.data_group, caller="gradsync: shard all-reduce")  # type: ignore[arg-type]
+        w[0] = comm.all_reduce_async(shard, self.data_group,  # type: ignore[arg-type]
+                                     caller="gradsync: shard all-reduce")
         self.reduced.append(j)
 
     def _gather_shard(self) -> None:
@@ -249,7 +250,8 @@ class GradSync:
         w[0].wait()
         shard = self.shards[w[4]]
         shard.mul_(self.scale)  # type: ignore[union-attr]
-        w[0] = comm.all_gather_async(w[1], shard, self.spatial_group, caller="gradsync: all-gather")  # type: ignore[arg-type]
+        w[0] = comm.all_gather_async(w[1], shard, self.spatial_group,  # type: ignore[arg-type]
+                                     caller="gradsync: all-gather")
 
     def _finish(self) -> None:
         with region(ALLREDUCE):  # the wait for every bucket's all-reduce: what the backward did not hide

@@ -84,9 +84,9 @@ def print_target_table(args: argparse.Namespace, layers: list[Layer], m: Machine
         print(f"the split buys {plain['time_to_target_s'] / best['time_to_target_s']:.2f}x in time to the target "
               f"over data parallelism alone ({_name(best)} against {_name(plain)})")
     if step_choice is not None and best is not None:
+        ttt = step_choice["time_to_target_s"]
         print(f"the fastest step at batch {opts.global_batch} ({_name(step_choice)}) reaches the target in "
-              f"{step_choice['time_to_target_s']:.1f} s: {step_choice['time_to_target_s'] / best['time_to_target_s']:.2f}x "
-              "the fastest to the target")
+              f"{ttt:.1f} s: {ttt / best['time_to_target_s']:.2f}x the fastest to the target")
     return 0
 
 

@@ -110,7 +110,8 @@ def logged_norms_against_groups(grid: Grid, accum: int, steps: int = 2) -> dict[
         opt.zero_grad(set_to_none=True)
     for key, ref in serial.state_dict().items():
         scale = float(ref.abs().max())
-        worst["weights_vs_flat"] = max(worst["weights_vs_flat"], float((runs[True][key] - runs[False][key]).abs().max()) / scale)
+        flat = float((runs[True][key] - runs[False][key]).abs().max()) / scale
+        worst["weights_vs_flat"] = max(worst["weights_vs_flat"], flat)
         worst["weights_vs_serial"] = max(worst["weights_vs_serial"], float((runs[True][key] - ref).abs().max()) / scale)
     for key, limit in (("small", 1e-9), ("big", 1e-9), ("estimates", 1e-9), ("weights_vs_flat", 1e-12),
                        ("weights_vs_serial", 1e-12)):
