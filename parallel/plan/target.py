@@ -170,7 +170,7 @@ def _steps_to_target(metrics: Path, summary: dict[str, Any]) -> float | None:
     target, key = summary.get("target"), summary.get("metric")
     if target is None or not metrics.is_file():
         return None
-    goal_min = "mae" in str(key) or "loss" in str(key)
+    goal_min = _goal(str(key)) == "min"
     for line in metrics.read_text(encoding="utf-8").splitlines():
         row = json.loads(line)
         if row.get("kind") != "eval" or key not in row:
@@ -179,6 +179,18 @@ def _steps_to_target(metrics: Path, summary: dict[str, Any]) -> float | None:
         if (v <= target) if goal_min else (v >= target):
             return float(row["step"])
     return None
+
+
+def _goal(metric: str) -> str:
+    """``min`` or ``max``: the goal of the family whose validation metric is ``metric``
+    (``val_<metric_name>``); a loss or error is minimised where no family names it."""
+    from parallel.job.family import get, names
+
+    for name in names():
+        family = get(name)
+        if metric == f"val_{family.metric_name}":
+            return str(family.goal)
+    return "min" if any(w in metric for w in ("loss", "mae", "error")) else "max"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -62,3 +62,31 @@ def test_the_command_writes_the_fit_and_the_planner_ranks_by_it(tmp_path, capsys
     assert "learning-rate rule" in text
     assert plan(["--model", "cosmoflow", "--size", "32", "--devices", "4", "--generic", "cpu",
                  "--target", str(tmp_path / "missing.json")]) == 2
+
+
+def _run_dir(path, batch, metric, target, evals, b_simple=None):
+    path.mkdir()
+    (path / "config.yaml").write_text(f"train:\n  global_batch_size: {batch}\n")
+    (path / "summary.json").write_text(json.dumps({"metric": metric, "target": target, "status": "success",
+                                                   "noise_scale": {"measured": b_simple is not None,
+                                                                   "b_simple": b_simple}}))
+    (path / "metrics.jsonl").write_text("".join(json.dumps({"kind": "eval", "step": s, metric: v}) + "\n"
+                                                for s, v in evals))
+    return path
+
+
+def test_the_command_reads_steps_to_the_target_from_run_dirs(tmp_path, capsys):
+    """The first evaluation that reached the target, by the family's goal (CosmoFlow's MAE
+    falls, the U-Net's Dice rises), and the runs' B_simple kept beside the fit."""
+    a = _run_dir(tmp_path / "a", 8, "val_mae", 0.3, [(100, 0.5), (300, 0.29), (400, 0.2)], b_simple=5.0)
+    b = _run_dir(tmp_path / "b", 64, "val_mae", 0.3, [(40, 0.4), (80, 0.3)], b_simple=20.0)
+    out = tmp_path / "t.json"
+    assert main([str(a), str(b), "--out", str(out)]) == 0
+    m = StepsModel.load(out)
+    assert m.points == [[8.0, 300.0], [64.0, 80.0]] and m.b_simple == pytest.approx(10.0)
+    dice = _run_dir(tmp_path / "d", 4, "val_dice", 0.85, [(16, 0.5), (32, 0.86)])
+    assert main([str(dice), "--b-simple", "4", "--out", str(out)]) == 0
+    assert StepsModel.load(out).points == [[4.0, 32.0]]
+    never = _run_dir(tmp_path / "n", 4, "val_dice", 0.95, [(16, 0.5)])
+    assert main([str(never), "--b-simple", "4", "--out", str(out)]) == 2
+    assert "did not reach its target" in capsys.readouterr().err
