@@ -49,6 +49,7 @@ class Grid:
     world_group: Any = None
     grad_group: Any = None
     grad_data_group: Any = None   # the data group again, for sharded parameters' gradient averages
+    grad_spatial_group: Any = None  # the spatial group again, for the hierarchical gradient sync (data and spatial > 1)
     launcher: str = "single"
     # Facts gathered once at start-up (``parallel.init``), so nothing later guesses them
     # from launcher variables: the node of every rank, the rendezvous store (the
@@ -196,6 +197,8 @@ class Grid:
         # exchanges and norm reductions: a group of their own keeps their order apart.
         grid.grad_group = dist.new_group(list(range(w)))
         grid.grad_data_group = _subgroup(data_lists, grid.rank)
+        if s > 1 and w > s:  # the hierarchical sync's reduce-scatter and all-gather (parallel.model.gradsync)
+            grid.grad_spatial_group = _subgroup(spatial_lists, grid.rank)
         return grid
 
 

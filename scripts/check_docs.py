@@ -143,6 +143,8 @@ RULES = [
     Rule(r"collect_results\.py", "skip",
          "needs a submission's logs (tests/launch/test_cluster_scripts.py collects one)"),
     # -- performance
+    Rule(r"^python -m parallel\.plan\.target ", "all", "as written: writes runs/target.json in the scratch folder"),
+    Rule(r"^python -m parallel\.plan .*--target ", "all", "as written, after the parallel.plan.target command above"),
     Rule(r"^python -m parallel\.plan .*--alpha", "all", "the same tool as README's plan command, which CI runs"),
     Rule(r"^python -m parallel\.plan ", "ci"),
     Rule(r"peers-venv", "skip", "installs the peers (not dependencies) from the registry into a scratch "

@@ -83,6 +83,9 @@ def step_args(p: argparse.ArgumentParser) -> None:
                         "on the 2-way split instead (parallel/bench/kfac.py)")
     p.add_argument("--kfac", nargs="*", default=[], metavar="KEY=VALUE", help="K-FAC settings (optim.kfac)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per rank: 2 GPUs)")
+    p.add_argument("--sync-world", type=int, default=4,
+                   help="ranks (data x the 2-way split) at which the step with the gradient noise scale measured "
+                        "(the hierarchical sync) is timed beside the flat all-reduce's (0: skip)")
     p.add_argument("--channels-last", action="store_true",
                    help="time each model NDHWC against NCDHW instead, serial and split (parallel/bench/layout.py)")
 
@@ -134,7 +137,10 @@ def step(args: argparse.Namespace) -> Rows:
                     "update) on a synthetic batch already in memory, no data loading; each trial the slowest "
                     "rank's; *_over_serial: medians of per-trial ratios of interleaved trials (floor2: both ranks "
                     "running the plain model on a block-sized volume, no communication); prediction errors: "
-                    "parallel.plan's step from the calibration against the median measured step, worst grid"}
+                    "parallel.plan's step from the calibration against the median measured step, worst grid; "
+                    "*_noise_over_flat_*: the step with the gradient noise scale measured (train.noise_scale: the "
+                    "hierarchical sync where the sample is split) over the step with one all-reduce, interleaved, "
+                    "*_flat_spread_*: the flat step against itself (the run-to-run spread)"}
     plotted: dict[str, tuple[dict[str, float], dict[str, float]]] = {}
     for name in args.models.split(","):
         over = overrides_of(args, name)
@@ -173,6 +179,20 @@ def step(args: argparse.Namespace) -> Rows:
             summary[f"{name}_data2_over_serial"] = r["strong_ratio_data2"]
         if "weak_efficiency_spatial2" in r:
             summary[f"{name}_weak_efficiency_spatial2"] = r["weak_efficiency_spatial2"]
+        if "noise_over_flat_data2" in r:
+            summary[f"{name}_noise_over_flat_data2"] = r["noise_over_flat_data2"]
+        if args.sync_world:
+            from parallel.bench.step import sync_times
+
+            if args.sync_world % 2 or args.sync_world < 4 or args.batch % (args.sync_world // 2):
+                raise SystemExit(f"--sync-world {args.sync_world}: needs data >= 2 groups of the 2-way split and a "
+                                 f"--batch ({args.batch}) they divide")
+            sync = run_ranks(args.sync_world, sync_times, name, size, over, args.batch, args.trials,
+                             spatial=split, device=device.type)[0]
+            grid_name = f"data{args.sync_world // 2}x{'x'.join(map(str, split))}"
+            yield {"kind": "sync", "model": name, "grid": grid_name, "size": size, "batch": args.batch, **sync}
+            summary[f"{name}_noise_over_flat_{grid_name}"] = sync["hierarchical_over_flat"]
+            summary[f"{name}_flat_spread_{grid_name}"] = sync["flat_again_over_flat"]
         summary[f"{name}_floor2_over_serial"] = r["floor_ratio_spatial2"]
         summary[f"{name}_worst_prediction_error"] = max(abs(e) for e in error.values())
         summary[f"{name}_worst_prediction_error_vs_best"] = max(abs(e) for e in error_best.values())
@@ -225,6 +245,9 @@ def memory_args(p: argparse.ArgumentParser) -> None:
                    help="measure a user's program instead (serial model, parallelize, scatter of a global batch, "
                         "one forward and backward; parallel.bench.usermem)")
     p.add_argument("--input-shape", action="store_true", help="with --api: pass parallelize(input_shape=...)")
+    p.add_argument("--sync-world", type=int, default=4,
+                   help="ranks (data x the 2-way split) at which the step with the gradient noise scale measured "
+                        "(the hierarchical sync) is timed beside the flat all-reduce's (0: skip)")
     p.add_argument("--channels-last", action="store_true", help="with --api: parallelize(channels_last=True)")
     p.add_argument("--no-warmup", action="store_true",
                    help="with --api: no warm-up run on a tiny model before the baseline, so the figures are the "

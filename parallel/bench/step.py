@@ -28,8 +28,9 @@ class Stepper:
 
     def __init__(self, grid: Grid, name: str, size: Sequence[int], overrides: Sequence[str], batch: int,
                  overlap: bool | str = False, recompute: bool = False, active: bool = True,
-                 channels_last: bool = False, conv_path: str = "shell") -> None:
+                 channels_last: bool = False, conv_path: str = "shell", noise_scale: bool = False) -> None:
         self.active = active
+        self.noise_scale = False
         if not active:
             return
         model, in_shape = make_model(name, size, overrides)
@@ -38,6 +39,8 @@ class Stepper:
         self.pmodel = parallel.parallelize(model, grid, overlap_halo=overlap, recompute=recompute,
                                            input_shape=in_shape, channels_last=channels_last,
                                            conv_path=conv_path)
+        if noise_scale:  # the hierarchical sync forming each data group's gradient (parallel.model.gradsync)
+            self.noise_scale = self.pmodel.measure_noise_scale(True)
         self.opt = torch.optim.SGD(self.pmodel.parameters(), lr=1e-4, momentum=0.9)
         gen = torch.Generator().manual_seed(1)
         x = torch.randn((batch, *in_shape), generator=gen)
@@ -49,6 +52,8 @@ class Stepper:
             return
         out = self.pmodel(self.x)
         out.float().square().mean().backward()
+        if self.noise_scale:  # the data groups' squared norms summed over every rank, as the training step does
+            self.pmodel.sync.small_norm_sq()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         dev.sync(self.device)  # the timers see the device's work (CUDA)
@@ -77,6 +82,8 @@ def step_times(grid: Grid, name: str, size: Sequence[int], overrides: Sequence[s
     }
     if batch % 2 == 0:
         steppers["data2"] = Stepper(data_grid, name, size, overrides, batch)
+        # the same with the gradient noise scale measured (train.noise_scale): interleaved beside it
+        steppers["data2_noise"] = Stepper(data_grid, name, size, overrides, batch, noise_scale=True)
     if weak_size is not None:
         steppers["spatial2_weak"] = Stepper(grid, name, weak_size, overrides, batch, overlap=overlap)
     # The floor of spatial 2 on this machine: each rank runs the plain model on a volume the
@@ -90,10 +97,30 @@ def step_times(grid: Grid, name: str, size: Sequence[int], overrides: Sequence[s
     out["strong_ratio_spatial2"] = ratio(times["spatial2"], times["serial"])
     if "data2" in times:
         out["strong_ratio_data2"] = ratio(times["data2"], times["serial"])
+        out["noise_over_flat_data2"] = ratio(times["data2_noise"], times["data2"])
     if "spatial2_weak" in times:
         out["weak_efficiency_spatial2"] = 1.0 / ratio(times["spatial2_weak"], times["serial"])
     out["floor_ratio_spatial2"] = ratio(times["floor2"], times["serial"])
     return out
+
+
+def sync_times(grid: Grid, name: str, size: Sequence[int], overrides: Sequence[str], batch: int,
+               trials: int) -> dict[str, Any]:
+    """On data x spatial ranks (``grid``, both axes > 1): the step with one all-reduce over
+    every rank (the gradient noise scale off) and with the hierarchical sync measuring it
+    (reduce-scatter, shard all-reduce, all-gather, and the one-scalar sum), in interleaved
+    trials; each trial the slowest rank's."""
+    steppers = {"flat": Stepper(grid, name, size, overrides, batch),
+                "hierarchical": Stepper(grid, name, size, overrides, batch, noise_scale=True)}
+    if not steppers["hierarchical"].pmodel.sync.hierarchical:
+        raise RuntimeError(f"sync_times: no hierarchical bucket at data {grid.data_size} x spatial {grid.spatial}")
+    # each side's run-to-run spread: the same flat step twice, interleaved with the others
+    steppers["flat_again"] = Stepper(grid, name, size, overrides, batch)
+    times = interleaved({k: s.step for k, s in steppers.items()}, trials, warmup=1, group=grid.world_group,
+                        device=grid.device)
+    return {"seconds": {k: median(v) for k, v in times.items()},
+            "hierarchical_over_flat": ratio(times["hierarchical"], times["flat"]),
+            "flat_again_over_flat": ratio(times["flat_again"], times["flat"])}
 
 
 def peak_memory(grid: Grid, name: str, size: Sequence[int], overrides: Sequence[str], batch: int,

@@ -6,7 +6,8 @@ exchange (``parallel.split.halo``) and the gradient sync (``parallel.model.grads
 
 - ``checks``: what a group accepts (device of its backend, dtype, a dense layout); a
   tensor it cannot take is refused with the caller's name.
-- ``ops``: plain collectives (``all_reduce_``, ``all_reduce_async``, ``broadcast_``,
+- ``ops``: plain collectives (``all_reduce_``, ``all_reduce_async``, ``reduce_scatter_async``,
+  ``all_gather_async``, ``broadcast_``,
   ``barrier``, ``all_gather``, ``all_gather_varlen``, ``all_gather_bytes``) and batched
   point-to-point messages (``exchange``), each waited for.
 - ``autograd``: differentiable ones with exact adjoints (``all_reduce_sum``,
@@ -33,14 +34,17 @@ from parallel.comm.ops import (
                                   all_gather_bytes,
                                   all_gather_varlen,
                                   all_reduce_,
+                                  all_gather_async,
                                   all_reduce_async,
                                   barrier,
                                   broadcast_,
                                   exchange,
+                                  reduce_scatter_async,
 )
 
 __all__ = [
-    "SUPPORTED_DTYPES", "CommError", "all_gather", "all_gather_bytes", "all_gather_varlen", "all_reduce_",
-    "all_reduce_async", "all_reduce_sum", "backend_device", "barrier", "broadcast_", "check_for_group",
-    "check_tensor", "exchange", "group_backend", "group_device", "group_size", "replicated_grad", "spatial_sum",
+    "SUPPORTED_DTYPES", "CommError", "all_gather", "all_gather_async", "all_gather_bytes", "all_gather_varlen",
+    "all_reduce_", "all_reduce_async", "all_reduce_sum", "backend_device", "barrier", "broadcast_", "check_for_group",
+    "check_tensor", "exchange", "group_backend", "group_device", "group_size", "reduce_scatter_async",
+    "replicated_grad", "spatial_sum",
 ]

@@ -156,6 +156,14 @@ class TrainConfig:
     """End the run at the first evaluation that reaches the target."""
     grad_clip: float = 0.0
     """Clip the gradient's global norm to this (0: off)."""
+    noise_scale: bool = True
+    """Measure the gradient noise scale B_simple at every step (McCandlish et al. 2018) from
+    the data groups' gradients, which the hierarchical gradient sync forms at no extra
+    traffic (``parallel.model.gradsync``); in metrics.jsonl, TensorBoard and the summary
+    (``docs/training.md``, "The gradient noise scale"). Needs two or more data groups; false:
+    one all-reduce over every rank, nothing measured."""
+    noise_scale_decay: float = 0.95
+    """Decay of the running averages of |G|^2 and tr(Sigma) before their ratio is taken."""
     activation_checkpointing: bool = False
     """Keep only each block's input and recompute the block in the backward (less memory, ~1/3 more compute)."""
     profile: int = 0

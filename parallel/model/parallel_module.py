@@ -43,6 +43,7 @@ class ParallelModule(nn.Module):
         # first forward to cut the pending Flatten+Linear weights before any layer runs. Kept
         # out of the module tree (not a submodule: no parameters, no state_dict keys).
         self.__dict__["_shape_probe"] = shape_probe
+        self.noise_scale = False  # the hierarchical sync, forming each data group's gradient (measure_noise_scale)
         self.sync = self._grad_sync() if grid.world_size > 1 else None
         self._resharded = False
         for m in module.modules():
@@ -52,7 +53,23 @@ class ParallelModule(nn.Module):
     def _grad_sync(self) -> GradSync:
         grid = self.grid
         data_grads = (getattr(grid, "grad_data_group", None) or grid.data_group) if grid.data_size > 1 else None
-        return GradSync(self.module, grid.grad_group, grid.data_size, self.bucket_mb, data_grads)
+        return GradSync(self.module, grid.grad_group, grid.data_size, self.bucket_mb, data_grads,
+                        spatial_group=getattr(grid, "grad_spatial_group", None), spatial_size=grid.spatial_size,
+                        measure=self.noise_scale)
+
+    def measure_noise_scale(self, on: bool = True) -> bool:
+        """Form each data group's gradient in the sync and sum its squared norm
+        (``GradSync.small_norm_sq``; ``parallel.model.gradsync``: the hierarchical sync where
+        the sample is split), or go back to one all-reduce over every rank. Call it before
+        a backward (gradients are dropped). Whether it measures: two or more data groups."""
+        self.noise_scale = bool(on)
+        if self.sync is None:
+            return False
+        self.sync.remove()
+        for p in self.module.parameters():
+            p.grad = None
+        self.sync = self._grad_sync()
+        return self.sync.measure
 
     def _note_reshard(self) -> None:
         self._resharded = True

@@ -60,6 +60,14 @@ def main(argv: list[str] | None = None) -> int:
                         "preconditioning work, all-reduces and memory (docs/kfac.md)")
     p.add_argument("--kfac", nargs="*", default=[], metavar="KEY=VALUE",
                    help="K-FAC settings as in optim.kfac, e.g. factor_interval=5 damping=0.01")
+    p.add_argument("--target", nargs="?", const="default", default=None, metavar="FIT",
+                   help="rank (split, global batch) by predicted time to the quality target: steps from the "
+                        "S(B) fit of python -m parallel.plan.target (default: target.json beside the "
+                        "calibration) x predicted step time")
+    p.add_argument("--batches", default=None,
+                   help="with --target: global batches to consider, comma-separated (default: every split's "
+                        "data size x 1, 2, 4, 8 samples per data group)")
+    p.add_argument("--top", type=int, default=12, help="with --target: rows shown (0: all; the marked rows always)")
     p.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
     args = p.parse_args(argv)
     size = args.size * 3 if len(args.size) == 1 else args.size
@@ -95,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
                    overlap="auto" if args.overlap_auto else args.overlap, recompute=args.recompute,
                    optimizer_states=2 if args.optim == "adamw" else 1, kfac=kfac,
                    node_ranks=args.node_ranks, shard_linear=args.optim != "kfac")
+    if args.target is not None:
+        from parallel.plan.target_table import print_target_table
+
+        return print_target_table(args, layers, m, opts, parse_bytes(args.device_memory), size)
     rows = table(layers, m, args.devices, parse_bytes(args.device_memory), opts)
     if args.json:
         for r in rows:

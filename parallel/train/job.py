@@ -49,6 +49,7 @@ from parallel.train.loop import Ending, EvalSchedule, Loop
 from parallel.train.observe.checkpoints import Checkpoints
 from parallel.train.observe.events import Observers, RunClock, RunEnd
 from parallel.train.observe.mlperf import MLPerfEvents, log_submission, open_log
+from parallel.train.observe.noisescale import NoiseScale
 from parallel.train.observe.profile import StepProfiler
 from parallel.train.observe.report import Reporter
 from parallel.train.observe.steptime import StepTimes
@@ -143,7 +144,11 @@ def build_job(cfg: JobConfig, family: Family, grid: Grid, plan: JobPlan, writer:
                         stop_signal=stop.signum.name if stop is not None else None)
     guard = NonFiniteGuard(cfg.train.nonfinite, cfg.train.max_skipped_steps, p, saver.last_good)
     augment = (lambda fields, gen, g: family.augment(fields, gen, g, cfg)) if family.augment is not None else None
-    step = TrainStep(cfg.train, family, grid, model, pmodel, optimizer, scaler, schedule, p, guard, augment)
+    noise = NoiseScale(cfg.train.global_batch_size, grid.data_size, cfg.train.noise_scale_decay,
+                       enabled=cfg.train.noise_scale and getattr(pmodel, "noise_scale", False))
+    step = TrainStep(cfg.train, family, grid, model, pmodel, optimizer, scaler, schedule, p, guard, augment, noise)
+    if not noise.measured:
+        log.info("gradient noise scale: not measured (%s)", noise.why_not)
     log.info("%s: %.2fM parameters, volume %s, %d train / %d val samples, %d steps per epoch", family.name,
              sum(q.numel() for q in model.parameters()) / 1e6, data.volume, data.n_train, data.n_val, spe)
     ml.event(C.TRAIN_SAMPLES, data.n_train)
@@ -151,7 +156,7 @@ def build_job(cfg: JobConfig, family: Family, grid: Grid, plan: JobPlan, writer:
     events = Observers([
         StepProfiler(cfg.train.profile, cfg.run.dir, grid.rank, grid.device) if cfg.train.profile else None,
         Reporter(cfg.run, grid, total, spe, p.step, resume is not None, clock, times, lambda: step.lr,
-                 family.metric_name, target, cfg.train.global_batch_size, first[2]),
+                 family.metric_name, target, cfg.train.global_batch_size, first[2], noise=noise),
         saver,
         MLPerfEvents(ml, family.mlperf_eval_key, f"val_{family.metric_name}"),
     ])
@@ -194,6 +199,8 @@ def _build_model(cfg: JobConfig, family: Family, grid: Grid, plan: JobPlan) -> t
         recompute=cfg.train.activation_checkpointing, input_shape=(plan.facts.channels, *plan.volume),
         shard_linear=str(cfg.optim.name) != "kfac", channels_last=channels_last, conv_path=str(cfg.parallel.conv_path))
     equivalence.run(serial, pmodel, cfg.parallel.verify, cfg.train.seed, plan.volume, plan.facts.channels)
+    if cfg.train.noise_scale:  # the hierarchical sync: each data group's gradient formed (parallel.model.gradsync)
+        pmodel.measure_noise_scale(True)
     compile_model(pmodel, cfg.train.compile)  # after the eager model's check against serial
     reset_peak(grid.device)  # the summary's peaks are training's, not the float64 check's
     return model, pmodel, channels_last
@@ -230,6 +237,7 @@ def _summary(job: Job, end: RunEnd) -> dict[str, Any]:
         "conv_paths": conv_paths(job.pmodel),  # how the split convolutions ran (parallel.conv_path)
         "channels_last": job.channels_last,  # the activations' layout (parallel.channels_last)
         "clipped_steps": job.train_step.clipped,  # this session's steps whose gradients were clipped
+        "noise_scale": job.train_step.noise.summary() if job.train_step.noise is not None else None,
         "skipped_samples": int(round(data_mean(torch.tensor(float(p.skipped_samples), device=grid.device), grid)
                                      * grid.data_size)),
     }, per_rank(p.io, io_start, grid), p.samples)
@@ -240,6 +248,8 @@ def _summary(job: Job, end: RunEnd) -> dict[str, Any]:
     if grid.rank == 0:
         path.write_text(json.dumps(summary, indent=1), encoding="utf-8")
     log.info("summary (%s):\n%s", path, format_summary(summary))
+    if job.train_step.noise is not None:
+        log.info("%s", job.train_step.noise.line())
     c = saver.writer.costs()
     log.info("checkpoints: %d written (%s), %.3f s of the steps each (RNG gather, copy, wait for the previous "
              "write), %.3f s writing each", c["written"], "in the background" if c["background"] else "blocking",

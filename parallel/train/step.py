@@ -28,6 +28,7 @@ from parallel.job.config import TrainConfig
 from parallel.job.family import Family
 from parallel.train.data import Batch
 from parallel.train.gradnorm import clip_coefficient, global_grad_norm, read_host, scale_grads_
+from parallel.train.observe.noisescale import NoiseScale
 from parallel.train.optim import Schedule
 from parallel.train.persist.state import Progress
 from parallel.train.precision import LossScaler, autocast, compute_dtype
@@ -113,7 +114,8 @@ class TrainStep:
     def __init__(self, train: TrainConfig, family: Family, grid: Grid, model: nn.Module, pmodel: nn.Module,
                  optimizer: torch.optim.Optimizer, scaler: LossScaler | None, schedule: Schedule,
                  progress: Progress, guard: NonFiniteGuard,
-                 augment: Callable[[dict, torch.Generator, Grid], dict] | None = None) -> None:
+                 augment: Callable[[dict, torch.Generator, Grid], dict] | None = None,
+                 noise: NoiseScale | None = None) -> None:
         self.train, self.family, self.grid, self.augment = train, family, grid, augment
         self.model, self.pmodel, self.optimizer, self.scaler = model, pmodel, optimizer, scaler
         self.schedule, self.progress, self.guard = schedule, progress, guard
@@ -122,6 +124,7 @@ class TrainStep:
         self.last_norm = 0.0  # the global gradient norm of the last step (before clipping)
         self.clipped = 0      # steps whose gradients were clipped
         self.cast = compute_dtype(train.precision)
+        self.noise = noise  # the gradient noise scale, fed from the sync's data-group gradients
 
     def __call__(self, batch: Batch) -> torch.Tensor:
         """One step on this rank's ``batch``; the local loss (zero for a skipped update)."""
@@ -163,7 +166,10 @@ class TrainStep:
             inject_nonfinite(self.pmodel, self.grid)
         if self.scaler is not None:
             self.scaler.unscale_(params)
-        norm, loss_f = read_host(global_grad_norm(params, self.grid), loss)
+        sync = getattr(self.pmodel, "sync", None)
+        measured = self.noise is not None and self.noise.measured and sync is not None and sync.measured
+        extra = [sync.small_norm_sq()] if measured else []  # one scalar summed over every rank
+        norm, loss_f, *small = read_host(global_grad_norm(params, self.grid), loss, *extra)
         self.last_norm = norm
         if self.scaler is not None:
             finite = math.isfinite(norm)
@@ -173,6 +179,9 @@ class TrainStep:
                          self.scaler.get_scale() * self.scaler.backoff_factor)
         else:
             finite = self.guard.finite_step(self.model, norm, loss_f)
+        if finite and small:  # before clipping; the fp16 loss scale taken out of the data groups' norms
+            scale = self.scaler.get_scale() if self.scaler is not None else 1.0
+            self.noise.update(small[0] / scale**2, norm * norm)  # type: ignore[union-attr]
         if finite:
             factor = clip_coefficient(norm, self.train.grad_clip)
             if factor < 1.0:

@@ -28,12 +28,13 @@ def test_step_measures_and_predicts_every_grid(tmp_path: Path):
     cal = tmp_path / "cal.json"
     rows = _run("step", "--models", "cosmoflow", "--size", "8", "--trials", "1", "--calibration", str(cal),
                 "--cosmoflow-set", "model.n_conv_blocks=2", "model.conv_filters=4", "--plot", str(tmp_path),
-                timeout=400)
+                "--sync-world", "0", timeout=400)  # the 4-rank sync comparison: tests/ranks/test_noise_scale.py
     assert rows[-1]["plot"] == str(tmp_path / "step.png") and _is_png(tmp_path / "step.png")
     step = rows[0]
     grids = {"serial", "spatial2", "data2", "spatial2_weak"}
     # Every grid is measured and predicted; the floor (no communication) is measured only.
-    assert set(step["measured_best_s"]) == set(step["measured_median_s"]) == grids | {"floor2"}
+    assert set(step["measured_best_s"]) == set(step["measured_median_s"]) == grids | {"floor2", "data2_noise"}
+    assert rows[-1]["cosmoflow_noise_over_flat_data2"] == step["noise_over_flat_data2"] > 0  # the noise scale's step
     assert set(step["predicted_s"]) == set(step["prediction_error"]) == grids
     assert all(v > 0 for v in step["predicted_s"].values())
     assert all(v > 0 for v in step["measured_best_s"].values())

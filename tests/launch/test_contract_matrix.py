@@ -162,6 +162,11 @@ def test_cosmoflow_sgd_options_equal_serial_in_float64(data, tmp_path):
         assert s["clipped_steps"] == (2 if grid == "s2" else 3), (grid, s["clipped_steps"])
         # every split convolution ran the window path (serial has none: nothing is split)
         assert (s["conv_paths"] == {}) if grid == "serial" else (set(s["conv_paths"]) == {"window"}), (grid, s)
+        # the gradient noise scale: measured where there are two data groups (3 finite steps; the
+        # skipped one is not measured), said not to be elsewhere
+        noise = s["noise_scale"]
+        assert noise["measured"] == (grid == "d2s2"), (grid, noise)
+        assert noise["steps"] == 3 if grid == "d2s2" else "one data group" in noise["why"], (grid, noise)
 
 
 
@@ -279,6 +284,11 @@ def test_cosmoflow_in_bf16_and_fp16_is_no_further_from_serial_than_its_own_round
         scaler = torch.load(fp16 / "checkpoints" / "last.pt", weights_only=True)["scaler"]
         assert scaler["scale"] == 2.0**15, (grid, scaler)
         assert _summary(fp16)["skipped_steps"] == 0 and _summary(tmp_path / f"cosmo_bf16_{grid}")["skipped_steps"] == 1
+    # the gradient noise scale at data 2: fp16's loss scale (2^15-2^16) divided out of the data groups'
+    # norms (bf16 carries none: the two agree to their rounding, not to a factor 2^30), the skipped step unmeasured
+    n16, nbf = (_summary(tmp_path / f"cosmo_{p}_d2s2")["noise_scale"] for p in ("fp16", "bf16"))
+    assert n16["steps"] == nbf["steps"] == 3, (n16, nbf)
+    assert 0.5 < n16["last"]["grad_sq_small"] / nbf["last"]["grad_sq_small"] < 2, (n16, nbf)
 
 
 def test_unet_in_bf16_and_fp16_is_no_further_from_serial_than_its_own_rounding(data, tmp_path):

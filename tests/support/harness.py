@@ -38,7 +38,8 @@ def _release(grid: Any) -> None:
     import torch.distributed as dist
 
     seen: list[Any] = []
-    for group in (grid.spatial_group, grid.data_group, grid.grad_group, grid.grad_data_group):
+    for group in (grid.spatial_group, grid.data_group, grid.grad_group, grid.grad_data_group,
+                  getattr(grid, "grad_spatial_group", None)):
         if group is None or group is dist.group.WORLD or any(group is g for g in seen):
             continue
         seen.append(group)

@@ -64,15 +64,18 @@ class Reporter(Observer):
     ``total_steps``, ``steps_per_epoch``: the run's; ``start_step``: where this session
     starts (a resumed run rewrites the rows it repeats); ``lr()``: the current learning
     rate; ``metric_name``, ``target``: the family's metric and the run's target;
-    ``global_batch``: samples per step; ``io_start``: the reading counters at the start.
+    ``global_batch``: samples per step; ``io_start``: the reading counters at the start;
+    ``noise``: the run's gradient noise scale (``NoiseScale``), whose last step's figures
+    each ``train`` row carries.
     """
 
     def __init__(self, cfg: RunConfig, grid: Grid, total_steps: int, steps_per_epoch: int, start_step: int,
                  resumed: bool, clock: RunClock, times: StepTimes, lr: Any, metric_name: str, target: float,
-                 global_batch: int, io_start: tuple[float, float, float]) -> None:
+                 global_batch: int, io_start: tuple[float, float, float], noise: Any = None) -> None:
         self.cfg, self.grid, self.total, self.spe = cfg, grid, total_steps, steps_per_epoch
         self.clock, self.times, self.lr, self.metric_name, self.target = clock, times, lr, metric_name, target
         self.global_batch, self.io_start = global_batch, io_start
+        self.noise = noise  # the gradient noise scale (parallel.train.observe.noisescale): its figures in each row
         self.best: float | None = None
         self._loss_sum, self._loss_n, self._n_log, self._t_log = torch.zeros((), device=grid.device), 0, 0, 0.0
         self.active = grid.rank == 0
@@ -114,7 +117,7 @@ class Reporter(Observer):
         values = {"loss": mean_loss, "lr": self.lr(),
                   "samples_per_s": self._n_log * self.global_batch / max(dt, 1e-9),
                   "data_wait_s": float(stats.wait_seconds), "elapsed_s": self.clock.now(),
-                  **self.times.log_values()}
+                  **self.times.log_values(), **(self.noise.log_values() if self.noise is not None else {})}
         self.record("train", step, step / self.spe, values, per_rank(progress.io, self.io_start, self.grid))
         self.progress(step, {"loss": mean_loss, "lr": self.lr(),
                              self.metric_name: self.best if self.best is not None else "-"})
