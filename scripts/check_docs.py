@@ -114,6 +114,11 @@ RULES = [
     Rule(r"^torchrun --nnodes=2:4 ", "skip",
          "an elastic job of 2-4 nodes; tests/launch/test_elastic.py runs 2 agents here"),
     Rule(r"elastic_slurm\.sh", "ci", "DRY_RUN=1: prints the srun step"),
+    # a MONAI network's strides need blocks of 16 voxels at 2x1x1: the 32^3 set, not prepared/'s 16^3
+    Rule(r"torchrun .*-m cosmoflow\.train --config-name quickstart .*model\._target_=monai\.", "all",
+         "2 steps of the MONAI network on data/cosmo32 (32^3, batch 4)",
+         sub=((r"--config-name quickstart", "--config-name quickstart data.dir=data/cosmo32"),),
+         append="train.max_steps=2 train.global_batch_size=4 run.progress=false"),
     Rule(r"torchrun .*-m cosmoflow\.train --config-name quickstart", "all", "2 steps", append=QUICK),
     Rule(r"torchrun .*-m cosmoflow\.train ", "all", "2 steps of a 4-filter network", append=COSMO_SMALL),
     Rule(r"-m unet3d\.train .*model\._target_=monai\.", "all", "2 steps of the MONAI network on 32^3 crops of data/kits",
