@@ -184,12 +184,15 @@ def wall(args: argparse.Namespace) -> Rows:
                                   compute_step_s=args.compute / spatial, epochs=args.epochs)
                 epoch_s = seconds / args.epochs
                 curves[name].append((world, epoch_s))
-                yield {"kind": "wall", "measure": name, "ranks": world, "spatial": spatial, "nodes": math.ceil(world / local), "epoch_s": epoch_s, "predicted_epoch_s": pred["epoch_s"],
-                       "predicted_over_measured": pred["epoch_s"] / epoch_s,
-                       "staging_s": statistics.median(r["staging_s"] for r in mine),
+                staging_s = statistics.median(r["staging_s"] for r in mine)
+                yield {"kind": "wall", "measure": name, "ranks": world, "data": world // spatial, "spatial": spatial,
+                       "nodes": math.ceil(world / local), "epoch_s": epoch_s, "predicted_epoch_s": pred["epoch_s"],
+                       "predicted_over_measured": pred["epoch_s"] / epoch_s, "staging_s": staging_s,
+                       "steady_epoch_s": (seconds - staging_s) / args.epochs,
+                       "predicted_steady_epoch_s": pred["steady_epoch_s"], "predicted_staging_s": pred["staging_s"],
                        "shared_bytes": statistics.median(r["shared_bytes"] for r in mine),
                        "stored_bytes_per_sample": sample_bytes, "raw_bytes_per_sample": raw,
-                       "predicted_wait_step_s": pred["wait_step_s"]}
+                       "predicted_wait_step_s": pred["wait_step_s"], "epochs": args.epochs}
     finally:
         tmp.cleanup()
     top = max(int(r) for r in args.ranks.split(","))

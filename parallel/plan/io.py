@@ -15,7 +15,8 @@ shared file system delivers, to all ranks together:
   ``data set``), then nothing from the shared file system.
 
 The reader works ahead of the compute (``data.workers``, ``data.prefetch``), so a step
-takes ``max(compute, io)``; the first batch's read is not hidden. The shared file
+takes ``max(compute, io)``; an epoch adds the one part that cannot overlap, ``min(compute,
+io)`` (the first read before any compute, or the last compute after the last read). The shared file
 system's rate is shared by every rank; ``rank_bandwidth`` (the ``Machine``'s
 ``io_bandwidth``: what one rank reads and decodes per second) caps each rank besides.
 """
@@ -58,7 +59,7 @@ def epoch_time(m: Measure, samples: int, sample_bytes: float, data: int, spatial
     if m.staging is None:
         shared = data * spatial * per_rank  # bytes all ranks read per step
         io_step = max(shared / fs_bandwidth, per_rank / rank_bandwidth)
-        epoch = steps * max(compute_step_s, io_step) + io_step
+        epoch = steps * max(compute_step_s, io_step) + min(compute_step_s, io_step)
         wait = max(0.0, io_step - compute_step_s)
         epoch_bytes = steps * shared
     else:

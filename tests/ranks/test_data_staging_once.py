@@ -34,8 +34,7 @@ def _make_source(root: Path, n: int = 8, size: int = 16) -> Path:
 def _same_as_source(grid: Grid, staged: Path, src: str) -> bool:
     ds, ref = BlockDataset(staged, grid=grid), BlockDataset(src, grid=grid)
     located = all(ds.locate(i)[0].parent != Path(src) for i in range(len(ds)))
-    return located and all(torch.equal(ds[i]["volume"], ref[i]["volume"]) and torch.equal(ds[i]["target"], ref[i]["target"])
-                           for i in range(len(ref)))
+    return located and all(torch.equal(ds[i][k], ref[i][k]) for i in range(len(ref)) for k in ("volume", "target"))
 
 
 def _stage_both(grid: Grid, src: str, root: str, ledger: str, mode: str, local_size: int) -> dict:
