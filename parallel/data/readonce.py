@@ -267,6 +267,7 @@ def stage_read_once(files: list[Path], dest: Path, grid: Any, mode: str, local_s
                 announce.append([name, memoryview(data).nbytes, hashlib.sha256(data).hexdigest()])
         announced = _gather_json([i, announce] if announce else None, group)
         sends, recvs, writes = [], [], []
+        tensors: dict[str, torch.Tensor] = {}
         for reader, entry in enumerate(announced):
             if entry is None:
                 continue
@@ -278,7 +279,9 @@ def stage_read_once(files: list[Path], dest: Path, grid: Any, mode: str, local_s
                     writer = reader if node_of[reader] == n else nodes[n][sent_to[n] % len(nodes[n])]
                     sent_to[n] += writer != reader
                     if reader == grid.rank and writer != reader:
-                        sends.append((writer, torch.from_numpy(np.frombuffer(payloads[name], np.uint8).copy())))
+                        if name not in tensors:  # one tensor per payload, sent to every node lacking it
+                            tensors[name] = torch.from_numpy(np.frombuffer(payloads[name], np.uint8).copy())
+                        sends.append((writer, tensors[name]))
                         counts["sent_bytes"] += size
                     elif writer == grid.rank and writer != reader:
                         buf = torch.empty(size, dtype=torch.uint8)
