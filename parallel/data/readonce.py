@@ -251,21 +251,28 @@ def stage_read_once(files: list[Path], dest: Path, grid: Any, mode: str, local_s
     # 3. Rounds: each rank reads its next file once; the payloads go to the nodes lacking them.
     for k in range(max(len(v) for v in plan.values())):
         payloads: dict[str, Any] = {}  # rel -> bytes, on the reader
-        announce = []
+        mine_now: Any = None
         if k < len(plan[grid.rank]):
             i, from_copy = plan[grid.rank][k]
-            if mode == "shard":
-                data, n = _read_source(dest / files[i].name if from_copy else files[i], None if from_copy else storage)
-                counts["local_bytes" if from_copy else "source_bytes"] += n
-                payloads[files[i].name] = data
-            else:
-                coords = sorted({c for _, c in lacking[i]})
-                images, n = _cut_blocks(files[i], grid, coords, storage)
-                counts["source_bytes"] += n
-                payloads.update({rel((i, c)): v for c, v in images.items()})
-            for name, data in payloads.items():
-                announce.append([name, memoryview(data).nbytes, hashlib.sha256(data).hexdigest()])
-        announced = _gather_json([i, announce] if announce else None, group)
+            try:
+                if mode == "shard":
+                    path = dest / files[i].name if from_copy else files[i]
+                    data, n = _read_source(path, None if from_copy else storage)
+                    counts["local_bytes" if from_copy else "source_bytes"] += n
+                    payloads[files[i].name] = data
+                else:
+                    coords = sorted({c for _, c in lacking[i]})
+                    images, n = _cut_blocks(files[i], grid, coords, storage)
+                    counts["source_bytes"] += n
+                    payloads.update({rel((i, c)): v for c, v in images.items()})
+                mine_now = [i, [[name, memoryview(d).nbytes, hashlib.sha256(d).hexdigest()]
+                                for name, d in payloads.items()]]
+            except (OSError, ValueError, KeyError) as err:  # told to every rank: they stop together
+                mine_now = {"error": f"rank {grid.rank}: {files[i]}: {err}"}
+        announced = _gather_json(mine_now, group)
+        errors = [e["error"] for e in announced if isinstance(e, dict)]
+        if errors:
+            raise OSError("staging (read once) could not read: " + "; ".join(errors[:10]))
         sends, recvs, writes = [], [], []
         tensors: dict[str, torch.Tensor] = {}
         for reader, entry in enumerate(announced):

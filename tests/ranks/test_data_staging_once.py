@@ -169,3 +169,19 @@ def test_a_damaged_copy_stops_staging_naming_it(tmp_path: Path) -> None:
     again = stage(src, dest, grid, read_once=True)  # fetches what the check removed, only that
     assert again.source_bytes == (src / "s1.h5").stat().st_size
     np.testing.assert_array_equal(BlockDataset(dest)[1]["volume"].numpy(), BlockDataset(src)[1]["volume"].numpy())
+
+
+def _stage_missing(grid: Grid, src: str, dest: str) -> str:
+    try:
+        stage(src, Path(dest) / f"node{grid.rank}", grid, local_size=1, read_once=True)
+    except OSError as err:
+        return str(err)
+    return "staged"
+
+
+def test_a_source_file_that_cannot_be_read_stops_every_rank(pools, tmp_path: Path) -> None:
+    """The rank that cannot read tells the others in the round's announcement: nobody waits."""
+    src = _make_source(tmp_path, n=4)
+    (src / "s1.h5").unlink()  # listed in the manifest, gone from the shared file system
+    results = pools.run(2, _stage_missing, str(src), str(tmp_path / "local"), timeout=60)
+    assert all("could not read" in r and "s1.h5" in r for r in results), results
