@@ -2,9 +2,12 @@
 draws the bytes it reads from one budget of ``rate`` bytes/s.
 
 The budget lives in a small file (``path``) that every process opens: under an
-``fcntl`` lock a draw of ``n`` bytes takes the storage from ``max(now, free_at)`` to
-``free_at = start + n / rate`` and adds ``n`` to the total; the caller then sleeps until
-its bytes have "arrived" (``free_at``). Draws are served in the order they come, as one
+``fcntl`` lock a draw of ``n`` bytes takes the storage from ``max(now - burst, free_at)``
+to ``free_at = start + n / rate`` and adds ``n`` to the total; the caller then sleeps
+until its bytes have "arrived" (``free_at``). ``burst`` seconds of idle storage are kept
+as credit (a token bucket of ``burst * rate`` bytes): a reader woken late by a busy
+scheduler does not lose the bandwidth it slept through, and over any span the bytes
+served stay within ``rate * span + burst * rate``. Draws are served in the order they come, as one
 storage channel of ``rate`` bytes/s serves its queue, so ``k`` ranks reading at once
 each get ``rate / k``; large draws are cut into pieces of ``piece`` bytes so that
 concurrent readers interleave. The file also counts every byte drawn (``total()``),
@@ -35,12 +38,13 @@ class SharedBandwidth:
     Picklable (a path and two numbers): each process opens the file on its first draw.
     """
 
-    def __init__(self, path: str | os.PathLike, rate: float, piece: int = 1 << 20) -> None:
+    def __init__(self, path: str | os.PathLike, rate: float, piece: int = 4 << 20, burst: float = 0.1) -> None:
         if not rate > 0:
             raise ValueError(f"shared bandwidth: rate must be > 0 bytes/s, got {rate}")
         self.path = str(path)
         self.rate = float(rate)
         self.piece = int(piece)
+        self.burst = float(burst)
         p = Path(self.path)
         if not p.exists() or p.stat().st_size != _SIZE:
             p.parent.mkdir(parents=True, exist_ok=True)
@@ -54,7 +58,7 @@ class SharedBandwidth:
             fcntl.flock(fh, fcntl.LOCK_EX)
             try:
                 free_at, total = struct.unpack(_FORMAT, fh.read(_SIZE))
-                done = max(time.time(), free_at) + nbytes / self.rate
+                done = max(time.time() - self.burst, free_at) + nbytes / self.rate
                 fh.seek(0)
                 fh.write(struct.pack(_FORMAT, done, total + nbytes))
                 fh.flush()

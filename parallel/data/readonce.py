@@ -35,6 +35,7 @@ import io
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -246,12 +247,14 @@ def stage_read_once(files: list[Path], dest: Path, grid: Any, mode: str, local_s
         reader = min((r for n in pool for r in nodes[n]), key=lambda r: (load[r], r))
         load[reader] += 1
         plan[reader].append((i, bool(keepers)))
-    counts = dict(bytes=0, files=0, source_bytes=0, local_bytes=0, sent_bytes=0, received_bytes=0)
+    counts: dict[str, Any] = dict(bytes=0, files=0, source_bytes=0, local_bytes=0, sent_bytes=0, received_bytes=0,
+                                  read_s=0.0, exchange_s=0.0, write_s=0.0, check_s=0.0)
     sent_to = {n: 0 for n in range(len(nodes))}  # payloads each node has been handed: spreads the writes
     # 3. Rounds: each rank reads its next file once; the payloads go to the nodes lacking them.
     for k in range(max(len(v) for v in plan.values())):
         payloads: dict[str, Any] = {}  # rel -> bytes, on the reader
         mine_now: Any = None
+        t0 = time.perf_counter()
         if k < len(plan[grid.rank]):
             i, from_copy = plan[grid.rank][k]
             try:
@@ -269,6 +272,7 @@ def stage_read_once(files: list[Path], dest: Path, grid: Any, mode: str, local_s
                                 for name, d in payloads.items()]]
             except (OSError, ValueError, KeyError) as err:  # told to every rank: they stop together
                 mine_now = {"error": f"rank {grid.rank}: {files[i]}: {err}"}
+        t1 = time.perf_counter()
         announced = _gather_json(mine_now, group)
         errors = [e["error"] for e in announced if isinstance(e, dict)]
         if errors:
@@ -298,13 +302,20 @@ def stage_read_once(files: list[Path], dest: Path, grid: Any, mode: str, local_s
                     elif writer == grid.rank:
                         writes.append((name, payloads[name], sha))
         comm.exchange(sends, recvs, group=group, caller="staging (read once)")
+        t2 = time.perf_counter()
         for name, data, sha in writes:
             raw = data.numpy() if isinstance(data, torch.Tensor) else data
             counts["bytes"] += _write(dest, name, raw, sha, splits)
             counts["files"] += 1
+        t3 = time.perf_counter()
+        counts["read_s"] += t1 - t0
+        counts["exchange_s"] += t2 - t1
+        counts["write_s"] += t3 - t2
     comm.barrier(group, caller="staging (read once): written")
+    t4 = time.perf_counter()
     # 4. Every node checks what it needs, its ranks sharing the files.
     check_staged(dest, [rel(x) for x in mine[local_rank::len(nodes[me])]], group)
+    counts["check_s"] = time.perf_counter() - t4
     return counts
 
 

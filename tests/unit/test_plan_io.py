@@ -55,13 +55,13 @@ def test_the_planner_adds_the_wait_for_a_shared_file_system():
 
 
 def test_shared_bandwidth_serves_draws_in_turn_and_counts_them(tmp_path):
-    storage = SharedBandwidth(tmp_path / "ledger", rate=1e6, piece=50_000)
-    other = SharedBandwidth(tmp_path / "ledger", rate=1e6)  # another process would open the same file
+    storage = SharedBandwidth(tmp_path / "ledger", rate=1e6, piece=50_000, burst=0.05)
+    other = SharedBandwidth(tmp_path / "ledger", rate=1e6, burst=0.05)  # another process would open the same file
     t0 = time.monotonic()
     storage.draw(100_000)
-    other.draw(100_000)
-    assert time.monotonic() - t0 >= 0.2 - 1e-3  # 200 kB at 1 MB/s: never sooner
-    assert storage.total() == other.total() == 200_000
+    other.draw(200_000)
+    assert time.monotonic() - t0 >= 0.3 - 0.05 - 1e-3  # 300 kB at 1 MB/s: never sooner (less the burst)
+    assert storage.total() == other.total() == 300_000
     storage.reset()
     assert other.total() == 0
     with pytest.raises(ValueError, match="rate must be > 0"):
