@@ -144,6 +144,8 @@ RULES = [
          "needs a submission's logs (tests/launch/test_cluster_scripts.py collects one)"),
     # -- performance
     Rule(r"^python -m parallel\.plan .*--alpha", "all", "the same tool as README's plan command, which CI runs"),
+    Rule(r"^python -m parallel\.plan .*--fs-bandwidth", "all",
+         "the same tool as README's plan command, which CI runs; tests/unit/test_plan_io.py checks its wait"),
     Rule(r"^python -m parallel\.plan ", "ci"),
     Rule(r"peers-venv", "skip", "installs the peers (not dependencies) from the registry into a scratch "
          "environment; the peers command above runs without them (--all)"),

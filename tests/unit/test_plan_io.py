@@ -67,3 +67,17 @@ def test_shared_bandwidth_serves_draws_in_turn_and_counts_them(tmp_path):
     with pytest.raises(ValueError, match="rate must be > 0"):
         SharedBandwidth(tmp_path / "x", rate=0)
     assert math.isfinite(storage.rate)
+
+
+def test_the_plan_command_says_when_the_step_waits_and_what_removes_it(capsys):
+    from parallel.plan.cli import main
+
+    args = ["--size", "16", "--devices", "4", "--batch", "4", "--generic", "cpu", "--set", "model.conv_filters=2",
+            "model.n_conv_blocks=2", "model.dense_sizes=[4]", "--samples", "64", "--ranks-per-node", "2"]
+    assert main([*args, "--fs-bandwidth", "1e4"]) == 0
+    out = capsys.readouterr().out
+    assert "wait s" in out and "the step waits" in out and "no wait with:" in out and "read-once staging" in out
+    assert main([*args, "--fs-bandwidth", "1e12"]) == 0
+    assert "keeps up" in capsys.readouterr().out
+    assert main(args) == 0
+    assert "wait s" not in capsys.readouterr().out  # without a stated bandwidth the table is as before
