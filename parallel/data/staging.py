@@ -41,8 +41,8 @@ import numpy as np
 import torch
 
 from parallel import comm
-from parallel.data.codecs import codec_kwargs
 from parallel.data.accounting import read_bytes
+from parallel.data.codecs import codec_kwargs
 from parallel.data.format import MANIFEST, choose_chunks
 from parallel.data.readonce import stage_read_once
 from parallel.data.reader import _resolve, block_dir_name
