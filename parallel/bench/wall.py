@@ -17,7 +17,7 @@ loader's worker and prefetch do; a barrier ends each step (the gradient all-redu
 Measures (``--measures``): ``whole`` (every rank reads whole samples), ``blocks`` (each
 rank its block), ``blocks-<codec>`` (files written with a codec), ``stage`` (today's
 staging of whole files: every node copies the data set) and ``once`` (read-once
-staging). Each runs ``--epochs`` epochs; time per epoch = (staging + epochs) / epochs.
+staging); ``stage`` and ``once`` may name a codec too (``once-zstd``). Each runs ``--epochs`` epochs; time per epoch = (staging + epochs) / epochs.
 Measures run interleaved, ``--repeat`` times, the median kept. Beside each, the
 planner's prediction (``parallel.plan.io``) from the same figures.
 """
@@ -63,19 +63,21 @@ class SharedFSDataset(BlockDataset):
 
 
 def measure_of(name: str) -> Measure:
-    if name == "whole":
+    """``whole``, ``blocks``, ``stage``, ``once``, each optionally ``-<codec>`` (the files it reads)."""
+    kind = name.split("-", 1)[0]
+    if kind == "whole":
         return Measure(name, whole=True)
-    if name == "stage":
+    if kind == "stage":
         return Measure(name, staging="each")
-    if name == "once":
+    if kind == "once":
         return Measure(name, staging="once")
-    if name == "blocks" or name.startswith("blocks-"):
+    if kind == "blocks":
         return Measure(name)
-    raise SystemExit(f"wall: unknown measure {name!r} (whole, blocks, blocks-<codec>, stage, once)")
+    raise SystemExit(f"wall: unknown measure {name!r} (whole, blocks, stage, once; each may end in -<codec>)")
 
 
 def codec_of(name: str) -> str:
-    return name.split("-", 1)[1] if name.startswith("blocks-") else "none"
+    return name.split("-", 1)[1] if "-" in name else "none"
 
 
 def _epoch(ds: SharedFSDataset, sampler: GlobalShuffleSampler, epoch: int, compute_s: float, group: Any) -> None:

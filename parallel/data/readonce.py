@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -251,66 +252,76 @@ def stage_read_once(files: list[Path], dest: Path, grid: Any, mode: str, local_s
                                   read_s=0.0, exchange_s=0.0, write_s=0.0, check_s=0.0)
     sent_to = {n: 0 for n in range(len(nodes))}  # payloads each node has been handed: spreads the writes
     # 3. Rounds: each rank reads its next file once; the payloads go to the nodes lacking them.
-    for k in range(max(len(v) for v in plan.values())):
-        payloads: dict[str, Any] = {}  # rel -> bytes, on the reader
-        mine_now: Any = None
-        t0 = time.perf_counter()
-        if k < len(plan[grid.rank]):
-            i, from_copy = plan[grid.rank][k]
-            try:
-                if mode == "shard":
-                    path = dest / files[i].name if from_copy else files[i]
-                    data, n = _read_source(path, None if from_copy else storage)
-                    counts["local_bytes" if from_copy else "source_bytes"] += n
-                    payloads[files[i].name] = data
-                else:
-                    coords = sorted({c for _, c in lacking[i]})
-                    images, n = _cut_blocks(files[i], grid, coords, storage)
-                    counts["source_bytes"] += n
-                    payloads.update({rel((i, c)): v for c, v in images.items()})
-                mine_now = [i, [[name, memoryview(d).nbytes, hashlib.sha256(d).hexdigest()]
-                                for name, d in payloads.items()]]
-            except (OSError, ValueError, KeyError) as err:  # told to every rank: they stop together
-                mine_now = {"error": f"rank {grid.rank}: {files[i]}: {err}"}
-        t1 = time.perf_counter()
-        announced = _gather_json(mine_now, group)
-        errors = [e["error"] for e in announced if isinstance(e, dict)]
-        if errors:
-            raise OSError("staging (read once) could not read: " + "; ".join(errors[:10]))
-        sends, recvs, writes = [], [], []
-        tensors: dict[str, torch.Tensor] = {}
-        for reader, entry in enumerate(announced):
-            if entry is None:
-                continue
-            i, listed = entry
-            for name, size, sha in listed:
-                for n, c in lacking[i]:
-                    if rel((i, c)) != name:
-                        continue
-                    writer = reader if node_of[reader] == n else nodes[n][sent_to[n] % len(nodes[n])]
-                    sent_to[n] += writer != reader
-                    if reader == grid.rank and writer != reader:
-                        if name not in tensors:  # one tensor per payload, sent to every node lacking it
-                            tensors[name] = torch.from_numpy(np.frombuffer(payloads[name], np.uint8).copy())
-                        sends.append((writer, tensors[name]))
-                        counts["sent_bytes"] += size
-                    elif writer == grid.rank and writer != reader:
-                        buf = torch.empty(size, dtype=torch.uint8)
-                        recvs.append((reader, buf))
-                        writes.append((name, buf, sha))
-                        counts["received_bytes"] += size
-                    elif writer == grid.rank:
-                        writes.append((name, payloads[name], sha))
-        comm.exchange(sends, recvs, group=group, caller="staging (read once)")
-        t2 = time.perf_counter()
-        for name, data, sha in writes:
-            raw = data.numpy() if isinstance(data, torch.Tensor) else data
-            counts["bytes"] += _write(dest, name, raw, sha, splits)
-            counts["files"] += 1
-        t3 = time.perf_counter()
-        counts["read_s"] += t1 - t0
-        counts["exchange_s"] += t2 - t1
-        counts["write_s"] += t3 - t2
+    def fetch(k: int) -> tuple[dict[str, Any], Any, int, int]:
+        """This rank's file of round ``k``: its payloads, their announcement (or the error),
+        the bytes read from the source and from a local copy."""
+        if k >= len(plan[grid.rank]):
+            return {}, None, 0, 0
+        i, from_copy = plan[grid.rank][k]
+        payloads: dict[str, Any] = {}  # rel -> bytes
+        try:
+            if mode == "shard":
+                path = dest / files[i].name if from_copy else files[i]
+                data, n = _read_source(path, None if from_copy else storage)
+                payloads[files[i].name] = data
+            else:
+                images, n = _cut_blocks(files[i], grid, sorted({c for _, c in lacking[i]}), storage)
+                payloads.update({rel((i, c)): v for c, v in images.items()})
+        except (OSError, ValueError, KeyError) as err:  # told to every rank: they stop together
+            return {}, {"error": f"rank {grid.rank}: {files[i]}: {err}"}, 0, 0
+        listed = [[name, memoryview(d).nbytes, hashlib.sha256(d).hexdigest()] for name, d in payloads.items()]
+        return payloads, [i, listed], 0 if from_copy else n, n if from_copy else 0
+
+    rounds = max(len(v) for v in plan.values())
+    # A thread reads the next round's file while this round's payloads travel and are written.
+    with ThreadPoolExecutor(1) as pool:
+        ahead = pool.submit(fetch, 0)
+        for k in range(rounds):
+            t0 = time.perf_counter()
+            payloads, mine_now, from_source, from_copy = ahead.result()
+            if k + 1 < rounds:
+                ahead = pool.submit(fetch, k + 1)
+            counts["source_bytes"] += from_source
+            counts["local_bytes"] += from_copy
+            t1 = time.perf_counter()
+            announced = _gather_json(mine_now, group)
+            errors = [e["error"] for e in announced if isinstance(e, dict)]
+            if errors:
+                raise OSError("staging (read once) could not read: " + "; ".join(errors[:10]))
+            sends, recvs, writes = [], [], []
+            tensors: dict[str, torch.Tensor] = {}
+            for reader, entry in enumerate(announced):
+                if entry is None:
+                    continue
+                i, listed = entry
+                for name, size, sha in listed:
+                    for n, c in lacking[i]:
+                        if rel((i, c)) != name:
+                            continue
+                        writer = reader if node_of[reader] == n else nodes[n][sent_to[n] % len(nodes[n])]
+                        sent_to[n] += writer != reader
+                        if reader == grid.rank and writer != reader:
+                            if name not in tensors:  # one tensor per payload, sent to every node lacking it
+                                tensors[name] = torch.from_numpy(np.frombuffer(payloads[name], np.uint8).copy())
+                            sends.append((writer, tensors[name]))
+                            counts["sent_bytes"] += size
+                        elif writer == grid.rank and writer != reader:
+                            buf = torch.empty(size, dtype=torch.uint8)
+                            recvs.append((reader, buf))
+                            writes.append((name, buf, sha))
+                            counts["received_bytes"] += size
+                        elif writer == grid.rank:
+                            writes.append((name, payloads[name], sha))
+            comm.exchange(sends, recvs, group=group, caller="staging (read once)")
+            t2 = time.perf_counter()
+            for name, data, sha in writes:
+                raw = data.numpy() if isinstance(data, torch.Tensor) else data
+                counts["bytes"] += _write(dest, name, raw, sha, splits)
+                counts["files"] += 1
+            t3 = time.perf_counter()
+            counts["read_s"] += t1 - t0
+            counts["exchange_s"] += t2 - t1
+            counts["write_s"] += t3 - t2
     comm.barrier(group, caller="staging (read once): written")
     t4 = time.perf_counter()
     # 4. Every node checks what it needs, its ranks sharing the files.
