@@ -17,7 +17,8 @@ times from the shared file system. Here (``stage(..., read_once=True)``):
    CPU (gloo) group to one rank of every node that lacks them (``comm.exchange``:
    point-to-point, sizes announced first by an all-gather of a JSON list, never a
    pickle); the receiving rank checks the checksum and writes the file via a temporary
-   name, its record (size, SHA-256) beside it under ``.staged/``;
+   name, its record (size, SHA-256) beside it under ``.staged/``; a thread reads the
+   next round's file meanwhile;
 4. before returning, every node checks every file it needs: size and SHA-256 against
    the record made when the bytes came from the source; a failure on any node stops
    every rank with the files named (and removes them, so a rerun fetches them again).
