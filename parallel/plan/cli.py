@@ -135,7 +135,8 @@ def _io_lines(r: dict, args: argparse.Namespace, sample_bytes: float) -> None:
     s = math.prod(r["spatial"])
     measures = [Measure("block reads"), Measure("whole-sample reads", whole=True),
                 Measure(f"block reads, codec ratio {args.codec_ratio:g}", ratio=args.codec_ratio),
-                Measure("staging", staging="each"), Measure("read-once staging", staging="once")]
+                Measure("staging", staging="each"), Measure("read-once staging", staging="once"),
+                Measure(f"read-once staging, codec ratio {args.codec_ratio:g}", staging="once", ratio=args.codec_ratio)]
     samples = args.samples or args.batch or args.devices
     a = advice(measures, measures[0], samples=samples, sample_bytes=sample_bytes, data=r["data"], spatial=s,
                nodes=max(1, math.ceil(args.devices / args.ranks_per_node)), fs_bandwidth=args.fs_bandwidth,
