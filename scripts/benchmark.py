@@ -11,6 +11,7 @@ interleaved trials, so the load of other processes hits both sides of a ratio al
     python scripts/benchmark.py memory           # peak memory per rank per grid vs serial
     python scripts/benchmark.py io               # bytes and MB/s: block vs whole vs raw read
     python scripts/benchmark.py loader           # share of the step spent waiting for data
+    python scripts/benchmark.py wall             # time per epoch vs ranks through a shared storage bandwidth
     python scripts/benchmark.py calibrate        # measure this machine for parallel.plan
     python scripts/benchmark.py peers --quick    # split layers vs block conv vs ShardTensor, DistConv
 

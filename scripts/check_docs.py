@@ -151,6 +151,8 @@ RULES = [
     Rule(r"^python -m parallel\.plan\.target ", "all", "as written: writes runs/target.json in the scratch folder"),
     Rule(r"^python -m parallel\.plan .*--target ", "all", "as written, after the parallel.plan.target command above"),
     Rule(r"^python -m parallel\.plan .*--alpha", "all", "the same tool as README's plan command, which CI runs"),
+    Rule(r"^python -m parallel\.plan .*--fs-bandwidth", "all",
+         "the same tool as README's plan command, which CI runs; tests/unit/test_plan_io.py checks its wait"),
     Rule(r"^python -m parallel\.plan ", "ci"),
     Rule(r"peers-venv", "skip", "installs the peers (not dependencies) from the registry into a scratch "
          "environment; the peers command above runs without them (--all)"),

@@ -104,6 +104,10 @@ NIGHTLY = {
         "launch/test_train_resume.py::test_gradient_accumulation_matches_and_bf16_runs, "
         "launch/test_contract_matrix.py (bf16), "
         "launch/test_fail_checkpoint.py::test_kill_during_checkpoint_write_then_resume, launch/test_predict.py",
+    "launch/test_train_staging.py::test_training_stages_read_once_and_checks_the_copy":
+        "ranks/test_data_staging_once.py (read-once staging on 4 ranks as 2 nodes: bytes read once, every copy "
+        "checked, resume) and launch/test_train_resume.py::test_outputs_and_checkpoint_loads_serially (the MLPerf "
+        "staging events around build_data); the loop passes data.stage_read_once to stage (parallel/train/data.py)",
 }
 
 

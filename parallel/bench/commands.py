@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
-from parallel.bench import calibrate, grids, peers, reads
+from parallel.bench import calibrate, grids, peers, reads, wall
 from parallel.bench.shared import Rows
 
 COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], Rows]]] = {
@@ -16,4 +16,5 @@ COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[a
     "loader": (reads.loader_args, reads.loader),
     "calibrate": (calibrate.command_args, calibrate.command),
     "peers": (peers.command_args, peers.command),
+    "wall": (wall.wall_args, wall.wall),
 }

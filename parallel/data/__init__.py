@@ -49,6 +49,8 @@ Public API (all importable from ``parallel.data``)::
     report.path, report.bytes, report.files, report.seconds      # this rank
     report.bytes_total, report.files_total, report.seconds_max   # all ranks
     ds = BlockDataset(report.path, ...)   # same sample numbering as the source
+    # read_once=True: each file read once per job (not per node), the nodes exchanging over
+    # the CPU group; checked (size, SHA-256) before it returns (StagingCheckError if not).
 
     # Validation of a prepared directory: (file, reason) for every problem found.
     problems = check_files("data/train", fields.SPEC)
@@ -83,12 +85,13 @@ from parallel.data.format import (
 from parallel.data.loader import BatchShapeError, BlockLoader, StepStats, make_loader
 from parallel.data.reader import BlockDataset, CountingFile, SampleReadError, touched_chunk_bytes
 from parallel.data.sampler import GlobalShuffleSampler, PartialShuffleSampler, ShardSampler
+from parallel.data.readonce import StagingCheckError
 from parallel.data.staging import StageReport, stage
 
 __all__ = [
     "BalancedCrop", "BatchShapeError", "BlockDataset", "BlockLoader", "CODECS", "CountingFile", "FieldSpec",
     "FixedRegion", "GlobalShuffleSampler", "PartialShuffleSampler", "REGION_KEY", "Region", "SampleReadError",
-    "SampleSpec", "ShardSampler", "StageReport", "StepStats", "balanced_crop", "check_file", "check_files",
+    "SampleSpec", "ShardSampler", "StageReport", "StagingCheckError", "StepStats", "balanced_crop", "check_file", "check_files",
     "choose_chunks",
     "choose_crop_chunks", "codec_kwargs", "create_datasets", "crop_rng", "foreground_boxes", "make_loader",
     "parse_splits", "sample_files", "stage", "touched_chunk_bytes", "write_manifest", "write_samples",

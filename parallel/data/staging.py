@@ -17,6 +17,12 @@ source file with its sample count and the source directory, so that
 (e.g. samples a partial shuffle brings in) from the source.
 Copies go to a temporary name and are renamed: an interrupted staging resumes, and
 files already present (same size) are not copied again.
+
+``read_once=True`` reads every file once per job instead of once per node, the nodes
+handing each other what they need over the CPU group, and checks every staged file's
+size and SHA-256 before returning (``parallel.data.readonce``). ``storage`` (a
+``parallel.data.bandwidth.SharedBandwidth``, measurements only) is drawn from for every
+byte read from the source.
 """
 
 from __future__ import annotations
@@ -35,8 +41,10 @@ import numpy as np
 import torch
 
 from parallel import comm
+from parallel.data.accounting import read_bytes
 from parallel.data.codecs import codec_kwargs
 from parallel.data.format import MANIFEST, choose_chunks
+from parallel.data.readonce import stage_read_once
 from parallel.data.reader import _resolve, block_dir_name
 
 log = logging.getLogger(__name__)
@@ -54,6 +62,10 @@ class StageReport:
     bytes_total: int
     files_total: int
     seconds_max: float
+    source_bytes: int = 0
+    """Bytes this rank read from the source (the shared file system)."""
+    source_bytes_total: int = 0
+    """Bytes all ranks read from the source."""
 
 
 def _node_ranks(grid: Any, local_size: int | None) -> list[int]:
@@ -69,7 +81,8 @@ def _node_ranks(grid: Any, local_size: int | None) -> list[int]:
 
 def stage(source: str | os.PathLike, dest: str | os.PathLike, grid: Any,
           mode: Literal["shard", "blocks"] = "shard", local_size: int | None = None,
-          indices: Sequence[int] | np.ndarray | None = None) -> StageReport:
+          indices: Sequence[int] | np.ndarray | None = None, read_once: bool = False,
+          storage: Any = None) -> StageReport:
     """Copy this node's share of ``source`` into ``dest``; collective when dist runs.
 
     Args:
@@ -81,6 +94,10 @@ def stage(source: str | os.PathLike, dest: str | os.PathLike, grid: Any,
             ``grid.placement`` found them at start-up).
         indices: global sample indices the node needs (e.g. the union of its data groups'
             ``PartialShuffleSampler.shard(0)``); None for all samples.
+        read_once: split the reading of the source between all nodes, each file read once
+            per job, and exchange over the CPU group (``parallel.data.readonce``); the
+            staged files are checked (size, SHA-256) before this returns.
+        storage: a shared bandwidth to draw the source's bytes from (measurements only).
     """
     t0 = time.perf_counter()
     source, dest = Path(source), Path(dest)
@@ -92,28 +109,19 @@ def stage(source: str | os.PathLike, dest: str | os.PathLike, grid: Any,
         idx = np.unique(np.asarray(indices, dtype=np.int64))
         wanted = sorted(set((np.searchsorted(starts, idx, side="right") - 1).tolist()))
     ranks = _node_ranks(grid, local_size)
-    if mode == "shard":
-        jobs: list[tuple[int, tuple[int, int, int] | None]] = [(i, None) for i in wanted]
-    elif mode == "blocks":
-        positions = sorted({grid.spatial_coords(r % grid.spatial_size) for r in ranks})
-        jobs = [(i, c) for c in positions for i in wanted]
-    else:
+    if mode not in ("shard", "blocks"):
         raise ValueError(f"staging mode {mode!r}: choose 'shard' or 'blocks'")
-    local_rank = ranks.index(grid.rank)
-    nbytes = nfiles = 0
-    for i, coords in jobs[local_rank::len(ranks)]:
-        if coords is None:
-            nbytes += _copy_file(files[i], dest / files[i].name)
-        else:
-            out = dest / block_dir_name(coords) / files[i].name
-            nbytes += _copy_block(files[i], out, grid, coords)
-        nfiles += 1
+    if read_once:
+        done = stage_read_once(files, dest, grid, mode, local_size, wanted, storage)
+        nbytes, nfiles, source_bytes = done["bytes"], done["files"], done["source_bytes"]
+    else:
+        nbytes, nfiles, source_bytes = _stage_each_node(files, dest, grid, mode, ranks, wanted, storage)
     _barrier(grid)
-    if local_rank == 0:
+    if ranks.index(grid.rank) == 0:
         _write_manifest(dest, source, files, counts, mode == "blocks")
     _barrier(grid)
     seconds = time.perf_counter() - t0
-    totals = [float(nbytes), float(nfiles)]
+    totals = [float(nbytes), float(nfiles), float(source_bytes)]
     seconds_max = seconds
     group = _cpu_group(grid)
     if comm.group_size(group) > 1:
@@ -121,10 +129,37 @@ def stage(source: str | os.PathLike, dest: str | os.PathLike, grid: Any,
         totals = comm.all_reduce_(torch.tensor(totals, dtype=torch.float64, device=device), group).tolist()
         slowest = torch.tensor([seconds], dtype=torch.float64, device=device)
         seconds_max = float(comm.all_reduce_(slowest, group, "max"))
-    log.info("staged %d files, %.1f MB in %.1f s on rank %d (all ranks: %d files, %.1f MB)",
-             nfiles, nbytes / 1e6, seconds, grid.rank, totals[1], totals[0] / 1e6)
+    log.info("staged %d files, %.1f MB in %.1f s on rank %d (all ranks: %d files, %.1f MB; %.1f MB read from "
+             "the source)", nfiles, nbytes / 1e6, seconds, grid.rank, totals[1], totals[0] / 1e6, totals[2] / 1e6)
     return StageReport(path=dest, bytes=nbytes, files=nfiles, seconds=seconds,
-                       bytes_total=int(totals[0]), files_total=int(totals[1]), seconds_max=seconds_max)
+                       bytes_total=int(totals[0]), files_total=int(totals[1]), seconds_max=seconds_max,
+                       source_bytes=source_bytes, source_bytes_total=int(totals[2]))
+
+
+def _stage_each_node(files: list[Path], dest: Path, grid: Any, mode: str, ranks: list[int], wanted: list[int],
+                     storage: Any) -> tuple[int, int, int]:
+    """Today's staging: each node copies what it needs, its ranks sharing the files;
+    bytes written, files written and bytes read from the source by this rank."""
+    if mode == "shard":
+        jobs: list[tuple[int, tuple[int, int, int] | None]] = [(i, None) for i in wanted]
+    else:
+        positions = sorted({grid.spatial_coords(r % grid.spatial_size) for r in ranks})
+        jobs = [(i, c) for c in positions for i in wanted]
+    local_rank = ranks.index(grid.rank)
+    nbytes = nfiles = source = 0
+    for i, coords in jobs[local_rank::len(ranks)]:
+        if coords is None:
+            n = _copy_file(files[i], dest / files[i].name)
+            source += n
+        else:
+            out = dest / block_dir_name(coords) / files[i].name
+            n, read = _copy_block(files[i], out, grid, coords)
+            source += read
+        if storage is not None:
+            storage.draw(n if coords is None else read)
+        nbytes += n
+        nfiles += 1
+    return nbytes, nfiles, source
 
 
 def _cpu_group(grid: Any) -> Any:
@@ -152,8 +187,9 @@ def _copy_file(src: Path, out: Path) -> int:
     return size
 
 
-def _copy_block(src: Path, out: Path, grid: Any, coords: tuple[int, int, int]) -> int:
-    """Write the block at ``coords`` of every sample of ``src`` as a smaller sample file.
+def _copy_block(src: Path, out: Path, grid: Any, coords: tuple[int, int, int]) -> tuple[int, int]:
+    """Write the block at ``coords`` of every sample of ``src`` as a smaller sample file;
+    the bytes written and the bytes read from ``src`` (the reader's accounting).
 
     A block already staged is kept only if it was cut for the same split: a staging
     directory reused with another grid holds other extents under the same block name.
@@ -166,12 +202,13 @@ def _copy_block(src: Path, out: Path, grid: Any, coords: tuple[int, int, int]) -
         except OSError:
             splits, recorded = (), False
         if splits == tuple(grid.spatial) and recorded:
-            return 0
+            return 0, 0
         log.info("%s was staged for spatial %s, not %s: staging it again", out, list(splits), list(grid.spatial))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    read = 0
     try:
-        with h5py.File(src, "r") as f, h5py.File(tmp, "w") as g:
+        with h5py.File(src, "r", rdcc_nbytes=0) as f, h5py.File(tmp, "w") as g:
             shape = tuple(int(s) for s in f.attrs.get("global_shape", ()))
             origin = np.asarray(f.attrs.get("block_origin", (0, 0, 0)), dtype=np.int64)
             if len(shape) != 3 or origin.any():
@@ -184,6 +221,8 @@ def _copy_block(src: Path, out: Path, grid: Any, coords: tuple[int, int, int]) -
             for name, dset in f.items():
                 if dset.ndim >= 4 and tuple(dset.shape[-3:]) == shape:
                     sel = (Ellipsis,) + tuple(slice(a, b) for a, b in ranges)
+                    read += read_bytes(dset, (slice(0, dset.shape[0]),) + tuple(slice(0, n) for n in dset.shape[1:-3])
+                                       + sel[1:])
                     block = dset[sel]
                     channels = block.shape[1] if block.ndim == 5 else None
                     chunks = choose_chunks(block.shape[-3:], [(1, 1, 1)], channels, block.dtype.itemsize)
@@ -191,6 +230,7 @@ def _copy_block(src: Path, out: Path, grid: Any, coords: tuple[int, int, int]) -
                     g.create_dataset(name, data=block, chunks=chunks, **codec_kwargs(codec))
                 else:
                     g.create_dataset(name, data=dset[...])
+                    read += dset.size * dset.dtype.itemsize
             g.attrs["block_origin"] = np.asarray([a for a, _ in ranges], dtype=np.int64)
             g.attrs["block_shape"] = np.asarray([b - a for a, b in ranges], dtype=np.int64)
             g.attrs["splits"] = np.asarray([grid.spatial], dtype=np.int64)
@@ -198,7 +238,7 @@ def _copy_block(src: Path, out: Path, grid: Any, coords: tuple[int, int, int]) -
         tmp.unlink(missing_ok=True)
         raise OSError(f"{src}: cannot stage the block at {coords}: {err}") from err
     os.replace(tmp, out)
-    return out.stat().st_size
+    return out.stat().st_size, read
 
 
 def _write_manifest(dest: Path, source: Path, files: list[Path], counts: list[int], blocks: bool) -> None:

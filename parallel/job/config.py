@@ -46,6 +46,10 @@ class DataConfig:
     """Node-local directory to stage this rank's share into before training (None: read in place)."""
     stage_blocks_only: bool = True
     """When staging, copy only this rank's blocks instead of whole samples."""
+    stage_read_once: bool = False
+    """When staging, read each file once per job (the nodes split the source's files and
+    hand each other what they need over the CPU group) instead of once per node; the
+    staged files are checked (size, SHA-256) before training (docs/data.md)."""
     max_open_files: int = 256
     """HDF5 files each reader process keeps open (least recently used closed first)."""
     workers: int = 1

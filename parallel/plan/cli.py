@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from parallel.job.family import get, names
@@ -47,6 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--alpha", type=float, default=None, help="network latency, seconds per message")
     p.add_argument("--bandwidth", type=float, default=None, help="network bytes/s per link")
     p.add_argument("--io-bandwidth", type=float, default=None, help="storage bytes/s per rank")
+    p.add_argument("--fs-bandwidth", type=float, default=None,
+                   help="shared file system bytes/s, all ranks together: the step waits for data when its reads "
+                        "take longer than its compute, and the plan says which measure removes the wait")
+    p.add_argument("--samples", type=int, default=None, help="training samples (an epoch), with --fs-bandwidth")
+    p.add_argument("--epochs", type=int, default=50, help="epochs a run trains (staging is spread over them)")
+    p.add_argument("--ranks-per-node", type=int, default=4, help="ranks a node holds (today's staging: per node)")
+    p.add_argument("--codec-ratio", type=float, default=2.5,
+                   help="a codec's compression ratio on these samples (scripts/benchmark.py io measures it)")
     p.add_argument("--generic", choices=("cpu", "gpu"), default=None,
                    help="use the built-in figures of this kind of machine instead of a calibration")
     p.add_argument("--node-ranks", type=int, default=1,
@@ -102,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = Options(global_batch=args.batch or args.devices, stored_bytes_per_voxel=stored,
                    overlap="auto" if args.overlap_auto else args.overlap, recompute=args.recompute,
                    optimizer_states=2 if args.optim == "adamw" else 1, kfac=kfac,
-                   node_ranks=args.node_ranks, shard_linear=args.optim != "kfac")
+                   node_ranks=args.node_ranks, shard_linear=args.optim != "kfac", fs_bandwidth=args.fs_bandwidth)
     if args.target is not None:
         from parallel.plan.target_table import print_target_table
 
@@ -115,16 +124,39 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {m.label}")
     print(f"{args.model} {'x'.join(map(str, size))}, {args.devices} devices, global batch {opts.global_batch}, "
           f"memory limit {args.device_memory} per device")
+    wait = args.fs_bandwidth is not None  # a column for the step's wait for data
     print(f"{'data':>5} {'spatial':>9} {'step s':>9} {'compute':>9} {'comm':>8} {'mem/rank GiB':>13} "
-          f"{'read/rank MiB':>14}  ")
+          f"{'read/rank MiB':>14}  " + (f"{'wait s':>7}  " if wait else ""))
     for r in rows:
         mark = "<- fastest that fits" if r["best"] else ("" if r["fits"] else "(does not fit)")
         print(f"{r['data']:>5} {'x'.join(map(str, r['spatial'])):>9} {r['step_s']:>9.3f} {r['compute_s']:>9.3f} "
               f"{r['exposed_comm_s'] + r['allreduce_s']:>8.3f} {r['memory_bytes'] / 2**30:>13.2f} "
-              f"{r['read_bytes'] / 2**20:>14.1f}  {mark}")
+              f"{r['read_bytes'] / 2**20:>14.1f}  " + (f"{r['io_wait_s']:>7.3f}  " if wait else "") + mark)
     if kfac is not None and rows:
         _kfac_lines(next((r for r in rows if r["best"]), rows[0]), kfac.cfg)
+    if args.fs_bandwidth and rows:
+        best = next((r for r in rows if r["best"]), rows[0])
+        _io_lines(best, args, stored * math.prod(size))
     return 0
+
+
+def _io_lines(r: dict, args: argparse.Namespace, sample_bytes: float) -> None:
+    """The shared file system's part for one row: the wait, and the measures that remove it."""
+    from parallel.plan.io import Measure, advice, describe
+
+    s = math.prod(r["spatial"])
+    measures = [Measure("block reads"), Measure("whole-sample reads", whole=True),
+                Measure(f"block reads, codec ratio {args.codec_ratio:g}", ratio=args.codec_ratio),
+                Measure("staging", staging="each"), Measure("read-once staging", staging="once"),
+                Measure(f"read-once staging, codec ratio {args.codec_ratio:g}", staging="once", ratio=args.codec_ratio)]
+    samples = args.samples or args.batch or args.devices
+    a = advice(measures, measures[0], samples=samples, sample_bytes=sample_bytes, data=r["data"], spatial=s,
+               nodes=max(1, math.ceil(args.devices / args.ranks_per_node)), fs_bandwidth=args.fs_bandwidth,
+               compute_step_s=r["step_s"] - r["io_wait_s"], epochs=args.epochs, batch=args.batch or args.devices)
+    print(f"shared file system, {r['data']} x {'x'.join(map(str, r['spatial']))}, {samples} samples, "
+          f"{args.epochs} epochs:")
+    for line in describe(a, args.fs_bandwidth):
+        print(f"  {line}")
 
 
 def _kfac_lines(r: dict, cfg: object) -> None:

@@ -30,6 +30,7 @@ class Options:
     shard_linear: bool = True             # Flatten+Linear weights sharded by block (as the loop runs them)
     node_ranks: int = 1                   # ranks sharing one machine's cores (CPU ranks of a node; 1 per GPU)
     voxel_loss_tensors: float = 7.0       # output-sized float tensors a voxel-wise loss holds at its peak (below)
+    fs_bandwidth: float | None = None     # bytes/s of the shared file system, all ranks together (None: no limit)
 
 
 def _voxel_loss_bytes(layers: list[Layer], out_local: tuple[int, ...], batch: int, opts: Options) -> float:
@@ -219,7 +220,12 @@ def predict(layers: list[Layer], machine: Machine, data: int, spatial: Sequence[
     step += kfac.get("kfac_s", 0.0)
     memory += kfac.get("kfac_memory_bytes", 0.0)
     read = opts.stored_bytes_per_voxel * math.prod(layers[0].in_shape[1:]) / s * batch
-    return {**kfac, "step_s": step, "compute_s": compute, "halo_s": comm, "exposed_comm_s": exposed,
+    # Every rank reads its block at once from a shared file system of a stated bandwidth; the
+    # reader works ahead, so the step waits only for what the compute does not cover.
+    fs_read = read * world / opts.fs_bandwidth if opts.fs_bandwidth else 0.0
+    wait = max(0.0, fs_read - step)
+    step += wait
+    return {**kfac, "step_s": step, "fs_read_s": fs_read, "io_wait_s": wait, "compute_s": compute, "halo_s": comm, "exposed_comm_s": exposed,
             "allreduce_s": allreduce, "overhead_s": overhead, "optimizer_s": optimizer, "memory_bytes": memory,
             "activation_bytes": act, "read_bytes": read, "io_s": read / machine.io_bandwidth,
             "measured_layers": measured / max(len(layers), 1)}

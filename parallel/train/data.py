@@ -196,8 +196,11 @@ def build_data(data: DataConfig, ev: EvalConfig, train: TrainConfig, family: Fam
         if blocks and "shard" in modes:
             log.info("staging whole files of %s: crops and sliding windows read anywhere in a case",
                      " and ".join(n for n, m in zip(("train", "val"), modes) if m == "shard"))
-        train_dir = Path(stage(str(train_dir), str(Path(data.stage_dir) / "train"), grid, mode=modes[0]).path)
-        val_dir = Path(stage(str(val_dir), str(Path(data.stage_dir) / "val"), grid, mode=modes[1]).path)
+        once = data.stage_read_once
+        train_dir = Path(stage(str(train_dir), str(Path(data.stage_dir) / "train"), grid, mode=modes[0],
+                               read_once=once).path)
+        val_dir = Path(stage(str(val_dir), str(Path(data.stage_dir) / "val"), grid, mode=modes[1],
+                             read_once=once).path)
     staging = time.perf_counter() - t0
     check = dict(input_field=family.input_field, target_field=family.target_field)
     crops = None

@@ -222,3 +222,16 @@ def test_peers_prints_the_project_and_block_rows_and_names_absent_peers():
         assert f"{p}: absent (" in out.stderr
     assert summary["project_over_block_conv-k3-s1-D-c2-n8"] == row["over_block"]["project"]
     assert any(line.startswith("conv-k3-s1-D-c2-n8") for line in summary["table"])
+
+
+def test_wall_draws_every_read_from_the_shared_bandwidth(tmp_path: Path):
+    """2 ranks as 2 nodes, spatial 2: whole-sample reads draw twice the block reads' bytes;
+    today's staging reads the data set once per node, read-once staging once per job."""
+    rows = _run("wall", "--ranks", "2", "--size", "16", "--samples", "4", "--bandwidth", "2e7", "--compute", "0.01",
+                "--epochs", "1", "--local-size", "1", "--measures", "whole,blocks,stage,once", "--plot", str(tmp_path))
+    by = {r["measure"]: r for r in rows if r["kind"] == "wall"}
+    assert by["whole"]["shared_bytes"] == pytest.approx(2 * by["blocks"]["shared_bytes"], rel=1e-3)  # + targets
+    dataset = 4 * by["once"]["stored_bytes_per_sample"]
+    assert by["once"]["shared_bytes"] == dataset and by["stage"]["shared_bytes"] == 2 * dataset
+    assert all(r["nodes"] == 2 and r["predicted_epoch_s"] > 0 for r in by.values())
+    assert rows[-1]["highest_ranks"] == 2 and _is_png(tmp_path / "wall.png")
