@@ -48,9 +48,9 @@ class Capture:
 class Recorder:
     """Forward hooks (and window hooks of spatial layers) on every preconditioned layer."""
 
-    def __init__(self, layers: list[Layer], cfg: KFACConfig) -> None:
+    def __init__(self, layers: list[Layer], cfg: KFACConfig, dtype: torch.dtype) -> None:
         self.layers = layers
-        self.dtype = cfg.factor_dtype.torch
+        self.dtype = dtype
         self.chunk = cfg.chunk_mb * 2**20
         self.capturing = False
         self.by_id = {id(layer.module): layer for layer in layers}

@@ -22,6 +22,7 @@ class Dtype(str, Enum):
     float64 = "float64"
     bfloat16 = "bfloat16"
     float16 = "float16"
+    auto = "auto"
 
     def __str__(self) -> str:
         return str(self.value)
@@ -31,7 +32,15 @@ class Dtype(str, Enum):
 
     @property
     def torch(self) -> torch.dtype:
+        if self is Dtype.auto:
+            raise ValueError("kfac: the precision 'auto' follows the weights: resolve it with KFACConfig.dtypes()")
         return getattr(torch, self.value)
+
+    def resolve(self, weights: torch.dtype) -> torch.dtype:
+        """This precision, ``auto`` taking float64 for float64 weights and float32 otherwise."""
+        if self is Dtype.auto:
+            return torch.float64 if weights == torch.float64 else torch.float32
+        return self.torch
 
 
 @dataclass
@@ -61,11 +70,13 @@ class KFACConfig:
     """A layer with a factor wider than this takes the plain update (logged by name): the
     eigendecomposition costs ~9 d^3 flops and d^2 memory on every rank. CosmoFlow's first
     Linear at 128^3 input has a 32769-wide A; its fifth conv a 6913-wide one."""
-    factor_dtype: Dtype = Dtype.float32
-    """Precision in which the factors are accumulated, reduced and averaged."""
-    inverse_dtype: Dtype = Dtype.float32
+    factor_dtype: Dtype = Dtype.auto
+    """Precision in which the factors are accumulated, reduced and averaged; ``auto``:
+    float64 when the preconditioned weights are float64 (``train.precision=fp64``),
+    float32 otherwise."""
+    inverse_dtype: Dtype = Dtype.auto
     """Precision of the eigendecompositions and of the preconditioning products (float32
-    or float64: eigensolvers do not run in half precision)."""
+    or float64: eigensolvers do not run in half precision; ``auto`` as for the factors)."""
     chunk_mb: float = 64.0
     """Largest block of convolution patches formed at once while accumulating A (MiB)."""
 
@@ -92,6 +103,10 @@ class KFACConfig:
             if value not in Dtype.__members__:
                 raise ValueError(f"kfac.{name} must be one of {', '.join(Dtype.__members__)}, got {value!r}")
             setattr(self, name, Dtype(value))
-        if self.inverse_dtype not in (Dtype.float32, Dtype.float64):
-            raise ValueError(f"kfac.inverse_dtype must be float32 or float64 (eigendecompositions), "
+        if self.inverse_dtype not in (Dtype.float32, Dtype.float64, Dtype.auto):
+            raise ValueError(f"kfac.inverse_dtype must be float32, float64 or auto (eigendecompositions), "
                              f"got {self.inverse_dtype}")
+
+    def dtypes(self, weights: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+        """(factor, inverse) precisions for preconditioned weights of dtype ``weights``."""
+        return Dtype(str(self.factor_dtype)).resolve(weights), Dtype(str(self.inverse_dtype)).resolve(weights)

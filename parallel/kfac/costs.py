@@ -102,8 +102,10 @@ def kfac_costs(model: nn.Module, input_shape: Sequence[int], cfg: KFACConfig | N
         raise ValueError(f"world size {world} is not a multiple of the spatial size {s} ({list(spatial)})")
     data = world // s
     batch = input_shape[0] / data
-    fbytes = torch.finfo(cfg.factor_dtype.torch).bits // 8
-    ibytes = torch.finfo(cfg.inverse_dtype.torch).bits // 8
+    weights = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    fdt, idt = cfg.dtypes(weights)
+    fbytes = torch.finfo(fdt).bits // 8
+    ibytes = torch.finfo(idt).bits // 8
     layers, skipped = find_layers(model, cfg)
     shapes = _shapes(model, input_shape[1:])
     flattened = _flattened(model)

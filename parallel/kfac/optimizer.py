@@ -68,11 +68,13 @@ class KFAC(torch.optim.SGD):
         log.info("kfac: preconditioning %d layers: %s", len(self.layers),
                  ", ".join(f"{layer.name} ({serial_type(layer.module)} A {layer.dim_a} G {layer.dim_g})"
                            for layer in self.layers))
+        wide = torch.float64 if any(layer.weight.dtype == torch.float64 for layer in self.layers) else torch.float32
+        self.factor_dtype, self.inverse_dtype = self.cfg.dtypes(wide)
         self.steps = 0
         self.factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.eigen: dict[str, tuple[Eigen, Eigen]] = {}
         self.last_nu: torch.Tensor | None = None
-        self.recorder = Recorder(self.layers, self.cfg)
+        self.recorder = Recorder(self.layers, self.cfg, self.factor_dtype)
         self.recorder.arm(self.captures(self.steps))
 
     # -- the schedule of the work --------------------------------------------------------
@@ -146,7 +148,7 @@ class KFAC(torch.optim.SGD):
         scale = 1.0
         if self.grad_scaler is not None and self.grad_scaler.is_enabled():
             scale = float(self.grad_scaler.get_scale())
-        new = reduce_factors(self.layers, self.cfg.factor_dtype.torch, self.grid, scale)
+        new = reduce_factors(self.layers, self.factor_dtype, self.grid, scale)
         decay = self.cfg.factor_decay
         for layer, fresh in zip(self.layers, new):
             if fresh is None:
@@ -164,7 +166,7 @@ class KFAC(torch.optim.SGD):
             return
         grid = self.grid
         world, rank = (grid.world_size, grid.rank) if grid is not None else (1, 0)
-        results = decompose(mats, self.cfg.inverse_dtype.torch, grid.world_group if grid is not None else None,
+        results = decompose(mats, self.inverse_dtype, grid.world_group if grid is not None else None,
                             world, rank)
         self.eigen = {layer.key: (results[2 * i], results[2 * i + 1]) for i, layer in enumerate(have)}
 
@@ -213,7 +215,7 @@ class KFAC(torch.optim.SGD):
             if name not in want or tuple(t.shape) != want[name]:
                 raise ValueError(f"kfac state of '{layer.key}': {name} has shape {tuple(t.shape)}, but the layer "
                                  f"needs {want.get(name, 'no such entry')}")
-        fdt, idt = self.cfg.factor_dtype.torch, self.cfg.inverse_dtype.torch
+        fdt, idt = self.factor_dtype, self.inverse_dtype
         self.factors[layer.key] = (entry["A"].to(device, fdt), entry["G"].to(device, fdt))
         if all(k in entry for k in ("QA", "lA", "QG", "lG")):
             self.eigen[layer.key] = ((entry["QA"].to(device, idt), entry["lA"].to(device, idt)),

@@ -31,7 +31,7 @@ def test_grid_of_one_rank_equals_reference():
 def _model_and_opt(**kw):
     torch.manual_seed(0)
     model = kfac_cases.build()
-    cfg = KFACConfig(**{**kfac_cases.settings(), **kw}, factor_dtype="float64", inverse_dtype="float64")
+    cfg = KFACConfig(**{**kfac_cases.settings(), "factor_dtype": "float64", "inverse_dtype": "float64", **kw})
     return model, KFAC(model, None, cfg, lr=0.1, momentum=0.9)
 
 
@@ -159,7 +159,7 @@ def test_linear_on_a_volume_is_refused_with_its_name():
     ({"factor_interval": 2, "inverse_interval": 3}, r"inverse_interval \(3\) must be a multiple of kfac.factor_interval \(2\)"),
     ({"factor_decay": 1.0}, r"factor_decay must be in \[0, 1\), got 1.0"),
     ({"kl_clip": -1.0}, "kl_clip must be >= 0"),
-    ({"inverse_dtype": "bfloat16"}, "inverse_dtype must be float32 or float64"),
+    ({"inverse_dtype": "bfloat16"}, "inverse_dtype must be float32, float64 or auto"),
     ({"factor_dtype": "int8"}, "kfac.factor_dtype must be one of"),
 ])
 def test_bad_settings_name_the_setting(kw, match):
@@ -250,3 +250,17 @@ def test_costs_match_the_optimiser_and_spread_the_inverses():
     assert one.inverse_flops == one.inverse_flops_total > many.inverse_flops
     assert many.factor_flops < one.factor_flops and many.linear_allreduce_bytes > 0
     assert one.per_step()["inverse_flops"] == one.inverse_flops / one.inverse_interval
+
+
+def test_auto_precision_follows_the_weights_and_explicit_settings_win():
+    # train.precision=fp64 builds float64 weights: K-FAC's factors and inverses follow them
+    # unless factor_dtype / inverse_dtype are set.
+    model, opt = _model_and_opt(factor_dtype="auto", inverse_dtype="auto")
+    assert (opt.factor_dtype, opt.inverse_dtype) == (torch.float64, torch.float64)
+    _step(model, opt, *_data(1))
+    assert all(t.dtype == torch.float64 for pair in opt.factors.values() for t in pair)
+    assert all(t.dtype == torch.float64 for pair in opt.eigen.values() for e in pair for t in e)
+    single = KFAC(kfac_cases.build().float(), None, KFACConfig(), lr=0.1)
+    assert (single.factor_dtype, single.inverse_dtype) == (torch.float32, torch.float32)
+    mixed = KFAC(kfac_cases.build(), None, KFACConfig(factor_dtype="float32"), lr=0.1)
+    assert (mixed.factor_dtype, mixed.inverse_dtype) == (torch.float32, torch.float64)

@@ -48,7 +48,7 @@ def test_kfac_settings_compose_from_the_command_line():
     (["optim.kfac.damping=0"], r"optim\.kfac\.damping must be > 0, got 0"),
     (["optim.kfac.inverse_interval=15"], r"optim\.kfac\.inverse_interval \(15\) must be a multiple of "
                                          r"kfac\.factor_interval \(10\)"),
-    (["optim.kfac.inverse_dtype=bfloat16"], r"optim\.kfac\.inverse_dtype must be float32 or float64"),
+    (["optim.kfac.inverse_dtype=bfloat16"], r"optim\.kfac\.inverse_dtype must be float32, float64 or auto"),
     (["optim.momentum_form=keras"], r"optim\.momentum_form=keras: optim\.name=kfac takes torch's SGD step"),
 ], ids=["damping", "intervals", "inverse-dtype", "keras-momentum"])
 def test_bad_kfac_settings_are_config_errors_naming_the_key(overrides, match):
