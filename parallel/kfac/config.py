@@ -43,6 +43,16 @@ class Dtype(str, Enum):
         return self.torch
 
 
+class WideFactors(str, Enum):
+    """What a layer whose factor is wider than ``max_factor_dim`` gets."""
+
+    lowrank = "lowrank"
+    plain = "plain"
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
 @dataclass
 class KFACConfig:
     """Kronecker-factored preconditioning of Conv3d, ConvTranspose3d and Linear gradients."""
@@ -67,9 +77,22 @@ class KFACConfig:
     exclude: list[str] = field(default_factory=list)
     """Patterns of layers that take the plain update even if ``include`` matches them."""
     max_factor_dim: int = 4096
-    """A layer with a factor wider than this takes the plain update (logged by name): the
-    eigendecomposition costs ~9 d^3 flops and d^2 memory on every rank. CosmoFlow's first
-    Linear at 128^3 input has a 32769-wide A; its fifth conv a 6913-wide one."""
+    """Widest factor held densely: the eigendecomposition costs ~9 d^3 flops and d^2
+    memory on every rank. A wider one is held as low rank plus diagonal
+    (``wide_factors``). CosmoFlow's first Linear at 128^3 input has a 32769-wide A; its
+    fifth conv a 6913-wide one."""
+    wide_factors: WideFactors = WideFactors.lowrank
+    """A factor wider than ``max_factor_dim``: ``lowrank`` holds it as ``U diag(lam) U^T +
+    diag(D)`` from a randomized sketch, memory linear in its width
+    (``parallel.kfac.lowrank``); ``plain``: the layer takes the plain update. A layer with
+    both factors that wide takes the plain update either way."""
+    rank: int = 128
+    """Rank of a low-rank factor (at most its width: at its width it is the dense factor)."""
+    oversample: int = 16
+    """Extra columns of the sketch beyond ``rank`` (the range finder's oversampling)."""
+    rank_tol: float = 0.0
+    """Eigenvalues of a low-rank factor below this times its largest are dropped (their
+    mass goes to the diagonal; 0: none); the kept rank is logged at each inverse update."""
     factor_dtype: Dtype = Dtype.auto
     """Precision in which the factors are accumulated, reduced and averaged; ``auto``:
     float64 when the preconditioned weights are float64 (``train.precision=fp64``),
@@ -96,6 +119,14 @@ class KFACConfig:
             raise ValueError(f"kfac.kl_clip must be >= 0 (0: off), got {self.kl_clip}")
         if self.max_factor_dim < 1:
             raise ValueError(f"kfac.max_factor_dim must be >= 1, got {self.max_factor_dim}")
+        if str(self.wide_factors) not in WideFactors.__members__:
+            raise ValueError(f"kfac.wide_factors must be one of {', '.join(WideFactors.__members__)}, "
+                             f"got {str(self.wide_factors)!r}")
+        self.wide_factors = WideFactors(str(self.wide_factors))
+        if self.rank < 1 or self.oversample < 0:
+            raise ValueError(f"kfac.rank must be >= 1 and kfac.oversample >= 0, got {self.rank} and {self.oversample}")
+        if not 0.0 <= self.rank_tol < 1.0:
+            raise ValueError(f"kfac.rank_tol must be in [0, 1), got {self.rank_tol}")
         if not self.chunk_mb > 0:
             raise ValueError(f"kfac.chunk_mb must be > 0, got {self.chunk_mb}")
         for name in ("factor_dtype", "inverse_dtype"):

@@ -46,6 +46,20 @@ class Layer:
     lin_a: list[torch.Tensor] = field(default_factory=list)
     lin_g: list[torch.Tensor] = field(default_factory=list)
     pending: Any = None
+    # A factor wider than kfac.max_factor_dim, held low rank plus diagonal
+    # (``parallel.kfac.lowrank``): which one ("A" or "G"), its rank and its test matrix
+    # (set by the optimiser); its step sums and running value are sketches (dim, m + 1).
+    wide: str | None = None
+    rank: int = 0
+    omega: torch.Tensor | None = None
+
+    def dim(self, side: str) -> int:
+        return self.dim_a if side == "A" else self.dim_g
+
+    def shape(self, side: str) -> tuple[int, int]:
+        """The shape of side ``side``'s factor as kept: dense (d, d) or a sketch (d, m + 1)."""
+        d = self.dim(side)
+        return (d, self.omega.shape[1] + 1) if side == self.wide and self.omega is not None else (d, d)
 
     @property
     def key(self) -> str:
@@ -142,10 +156,15 @@ def find_layers(model: nn.Module, cfg: KFACConfig) -> tuple[list[Layer], list[tu
             skipped.append((name, f"{kind}: {dims}"))
             continue
         wide = max(dims[1], dims[2])
+        structured = None
         if wide > cfg.max_factor_dim:
             which = "A" if dims[1] >= dims[2] else "G"
-            skipped.append((name, f"{kind}: factor {which} is {wide} wide > kfac.max_factor_dim "
-                                  f"{cfg.max_factor_dim}"))
-            continue
-        layers.append(Layer(name, module, *dims))
+            both = min(dims[1], dims[2]) > cfg.max_factor_dim
+            if str(cfg.wide_factors) != "lowrank" or both:
+                why = "both factors are" if both else f"factor {which} is {wide}"
+                skipped.append((name, f"{kind}: {why} wide > kfac.max_factor_dim {cfg.max_factor_dim}"
+                                      + ("" if both else " (kfac.wide_factors=plain)")))
+                continue
+            structured = which
+        layers.append(Layer(name, module, *dims, wide=structured, rank=min(cfg.rank, wide) if structured else 0))
     return layers, skipped

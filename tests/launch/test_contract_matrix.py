@@ -12,7 +12,7 @@ is global).
 | composite | options on |
 |---|---|
 | ``cosmo_sgd`` | clipping (clipped at every step), accumulation 2, weight-decay groups, activation recompute, sharded Flatten+Linear and replicated Linear, an injected non-finite step skipped, the window conv path, a resume at step 2 (2x1x1) |
-| ``cosmo_kfac`` | K-FAC (factors every step, eigendecompositions every 2, KL clip), clipping, weight decay, NDHWC activations, a resume at step 2 (2x2x1) |
+| ``cosmo_kfac`` | K-FAC (factors every step, eigendecompositions every 2, KL clip; two factors held low rank), clipping, weight decay, NDHWC activations, a resume at step 2 (2x2x1) |
 | ``unet`` | InstanceNorm, 16^3 crops of larger cases with oversampling, augmentation, sliding-window evaluation (its Dice compared too), accumulation 2, the timed (``auto``) conv path, NDHWC activations, a resume at step 2 (data 2 x spatial 2) |
 | ``unet_bn`` | BatchNorm: 2x2x1 against serial (at data 2 each data group normalises over its own share of the batch, as DDP does: not serial's numbers, docs/training.md) |
 | ``cosmo_dropout`` | seeded dropout: 2x1x1 against 2x2x1 (not serial: see the test) |
@@ -65,6 +65,9 @@ CASES = {
                                  "optim.kfac.factor_interval=1", "optim.kfac.inverse_interval=2",
                                  # no kfac.factor_dtype/inverse_dtype: fp64 alone makes them float64
                                  # (float32 factors would round at 1e-4 after 4 steps)
+                                 # the third conv's A (217 wide) and the Flatten+Linear's (129) held
+                                 # at rank 64 plus diagonal, the rest dense
+                                 "optim.kfac.max_factor_dim=120", "optim.kfac.rank=64",
                                  "train.grad_clip=0.5", "optim.weight_decay=0.01",
                                  "parallel.channels_last=true"]),
     "unet": ("unet3d", ["train.precision=fp64", "model.depth=2", "model.base_filters=4", "model.max_filters=8",
@@ -173,6 +176,12 @@ def test_cosmoflow_kfac_equals_serial_in_float64(data, tmp_path):
         assert _summary(run)["clipped_steps"] == (2 if grid == "s2x2" else 4), grid
     assert torch.load(runs["s2x2"] / "checkpoints" / "last.pt", weights_only=True)["optimizer"]["kfac"]["steps"] == 4
     assert all(_summary(r)["channels_last"] is True for r in runs.values())  # K-FAC's factors from NDHWC activations
+    for run in runs.values():  # the low-rank factors in the summary (the same at every grid)
+        wide = _summary(run)["kfac"]["low_rank"]
+        assert {k: (v["width"], v["rank"]) for k, v in wide.items()} == {"features.6": (217, 64),
+                                                                          "head.1": (129, 64)}, wide
+        # the head's A has rank <= its rows so far (4 a step): the shifted Nystrom keeps fewer
+        assert wide["features.6"]["kept"] == 64 and 0 < wide["head.1"]["kept"] <= 64, wide
 
 
 

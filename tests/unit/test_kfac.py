@@ -161,6 +161,9 @@ def test_linear_on_a_volume_is_refused_with_its_name():
     ({"kl_clip": -1.0}, "kl_clip must be >= 0"),
     ({"inverse_dtype": "bfloat16"}, "inverse_dtype must be float32, float64 or auto"),
     ({"factor_dtype": "int8"}, "kfac.factor_dtype must be one of"),
+    ({"wide_factors": "dense"}, "kfac.wide_factors must be one of lowrank, plain, got 'dense'"),
+    ({"rank": 0}, "kfac.rank must be >= 1 and kfac.oversample >= 0, got 0 and 16"),
+    ({"rank_tol": 1.0}, r"kfac.rank_tol must be in \[0, 1\), got 1.0"),
 ])
 def test_bad_settings_name_the_setting(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -171,11 +174,12 @@ def test_layer_choice_by_pattern_size_and_groups(caplog):
     model = nn.Sequential(nn.Conv3d(4, 4, 3, groups=2), nn.Conv3d(4, 8, 3), nn.Conv3d(8, 8, 1), nn.Flatten(),
                           nn.Linear(8, 2))
     with caplog.at_level(logging.INFO, logger="parallel.kfac"):
-        opt = KFAC(model, None, KFACConfig(exclude=["4"], max_factor_dim=100), lr=0.1)
+        opt = KFAC(model, None, KFACConfig(exclude=["4"], max_factor_dim=100, wide_factors="plain"), lr=0.1)
     assert [layer.name for layer in opt.layers] == ["2"]
     text = caplog.text
     assert "layer '0' takes the plain update (Conv3d: groups=2" in text
-    assert "layer '1' takes the plain update (Conv3d: factor A is 109 wide > kfac.max_factor_dim 100)" in text
+    assert ("layer '1' takes the plain update (Conv3d: factor A is 109 wide > kfac.max_factor_dim 100 "
+            "(kfac.wide_factors=plain))") in text
     assert "layer '4' takes the plain update (Linear: matched by kfac.exclude '4')" in text
     only = KFAC(model, None, KFACConfig(include=["1", "4"]), lr=0.1)
     assert [layer.name for layer in only.layers] == ["1", "4"]
@@ -246,7 +250,12 @@ def test_costs_match_the_optimiser_and_spread_the_inverses():
     cosmo = CosmoFlow(CosmoFlowConfig())
     one = kfac_costs(cosmo, (4, 4, 128, 128, 128), KFACConfig(), world_size=1)
     many = kfac_costs(cosmo, (4, 4, 128, 128, 128), KFACConfig(), spatial=(2, 1, 1), world_size=8)
-    assert any(name == "head.1" and "32769 wide" in why for name, why in one.skipped)
+    plain = kfac_costs(cosmo, (4, 4, 128, 128, 128), KFACConfig(wide_factors="plain"), world_size=1)
+    assert any(name == "head.1" and "32769 wide" in why for name, why in plain.skipped)
+    # by default the wide factors are held low rank: head.1's A (32769) and features.12's (6913)
+    wide = {c["name"]: (c["low_rank"], c["rank"]) for c in one.layers if c["low_rank"]}
+    assert wide == {"features.12": ("A", 128), "head.1": ("A", 128)} and not one.skipped
+    assert plain.memory_bytes < one.memory_bytes < plain.memory_bytes + 2**30  # linear: ~0.1 GB more
     assert one.inverse_flops == one.inverse_flops_total > many.inverse_flops
     assert many.factor_flops < one.factor_flops and many.linear_allreduce_bytes > 0
     assert one.per_step()["inverse_flops"] == one.inverse_flops / one.inverse_interval
@@ -264,3 +273,42 @@ def test_auto_precision_follows_the_weights_and_explicit_settings_win():
     assert (single.factor_dtype, single.inverse_dtype) == (torch.float32, torch.float32)
     mixed = KFAC(kfac_cases.build(), None, KFACConfig(factor_dtype="float32"), lr=0.1)
     assert (mixed.factor_dtype, mixed.inverse_dtype) == (torch.float32, torch.float64)
+
+
+def test_low_rank_factors_at_full_rank_equal_dense_kfac(caplog):
+    # Six of seven layers held low rank (A of the convolutions and the Flatten+Linear, G of
+    # the transposed conv) with rank >= width: the Nystrom form is then the factor itself and
+    # the Woodbury solve the exact damped inverse, so the steps are the plain reference's.
+    with caplog.at_level(logging.INFO, logger="parallel.kfac"):
+        r = kfac_cases.check_steps(None, 5, kfac_cases.settings(max_factor_dim=20, rank=1000, oversample=0))
+    assert len(r["layers"]) == 7 and r["moved"] > 1e-3
+    assert "layer '11' (Linear): factor A is 193 wide > kfac.max_factor_dim 20: held as rank 193" in caplog.text
+    assert "layer '6' (ConvTranspose3d): factor G is 81 wide" in caplog.text
+    assert "no layer takes the plain update for its width (6 held low rank)" in caplog.text
+    # and the wide layers are really held low rank: at rank 8 the steps leave the reference
+    with pytest.raises(AssertionError, match="step 0"):
+        kfac_cases.check_steps(None, 1, kfac_cases.settings(max_factor_dim=20, rank=8, oversample=4))
+
+
+def test_low_rank_state_round_trips_and_resumes():
+    kw = dict(max_factor_dim=20, rank=12, oversample=4)
+    m1, o1 = _model_and_opt(**kw)
+    m2, o2 = _model_and_opt(**kw)
+    for seed in (1, 2, 3):
+        _step(m1, o1, *_data(seed))
+    buf = io.BytesIO()
+    torch.save({"model": m1.state_dict(), "optimizer": o1.state_dict()}, buf)
+    state = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    entry = state["optimizer"]["kfac"]["layers"]["11.weight"]
+    assert set(entry) == {"A", "G", "UA", "lA", "dA", "QG", "lG"}
+    assert tuple(entry["A"].shape) == (193, 17) and tuple(entry["UA"].shape) == (193, 12)  # sketch | diagonal
+    m2.load_state_dict(state["model"])
+    o2.load_state_dict(state["optimizer"])
+    for seed in (4, 5):  # step 4 uses the loaded low-rank forms and cores, step 5 recomputes them
+        _step(m1, o1, *_data(seed))
+        _step(m2, o2, *_data(seed))
+    assert _same(m1, m2)
+    m3, o3 = _model_and_opt(max_factor_dim=20, rank=10, oversample=4)
+    with pytest.raises(ValueError, match=r"'0.weight': A has shape \(55, 17\), but the layer needs \(55, 15\) "
+                                         r"\(a low-rank factor: kfac.rank and kfac.oversample as saved\)"):
+        o3.load_state_dict(state["optimizer"])
