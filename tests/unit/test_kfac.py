@@ -312,3 +312,21 @@ def test_low_rank_state_round_trips_and_resumes():
     with pytest.raises(ValueError, match=r"'0.weight': A has shape \(55, 17\), but the layer needs \(55, 15\) "
                                          r"\(a low-rank factor: kfac.rank and kfac.oversample as saved\)"):
         o3.load_state_dict(state["optimizer"])
+
+
+def test_low_rank_cost_script_counts_linear_memory(capsys):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "kfac_lowrank.py"
+    spec = importlib.util.spec_from_file_location("kfac_lowrank_script", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["cost", "--widths", "600", "6000", "--rank", "16", "--dense-up-to", "600"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [(r["width"], r["rank"], r["sketch"]) for r in rows] == [(600, 16, 32), (6000, 16, 32)]
+    assert rows[0]["dense_eigh_s"] > 0 and rows[1]["dense_eigh_s"] is None
+    # memory grows linearly with the width (10x, less the cores' fixed share), dense quadratically
+    ratio = rows[1]["lowrank_memory_bytes"] / rows[0]["lowrank_memory_bytes"]
+    assert 7 < ratio <= 10 and rows[1]["dense_memory_bytes"] / rows[0]["dense_memory_bytes"] == 100
