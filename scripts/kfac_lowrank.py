@@ -79,6 +79,13 @@ def cmd_error(args: argparse.Namespace) -> list[dict[str, Any]]:
     cfg = KFACConfig(damping=args.damping[0], factor_interval=1, inverse_interval=10**6, max_factor_dim=10**6,
                      kl_clip=0.0)
     opt = KFAC(model, None, cfg, lr=args.lr, momentum=0.9)
+    flat_shapes: dict[str, tuple[int, ...]] = {}  # (C, D, H, W) flattened into a Linear after a Flatten
+    for prefix, mod in model.named_modules():
+        kids = list(mod.named_children()) if isinstance(mod, torch.nn.Sequential) else []
+        for (_, a), (name, b) in zip(kids, kids[1:]):
+            if isinstance(a, torch.nn.Flatten) and isinstance(b, torch.nn.Linear):
+                key = f"{prefix}.{name}" if prefix else name
+                a.register_forward_hook(lambda m, i, o, key=key: flat_shapes.update({key: tuple(i[0].shape[1:])}))
     for step in range(args.steps):  # SGD steps accumulating the factors (no eigendecompositions on the way)
         opt.zero_grad()
         x, y = batch(step)
@@ -119,6 +126,18 @@ def cmd_error(args: argparse.Namespace) -> list[dict[str, Any]]:
                 low_s = time.perf_counter() - t0
                 p = lowrank.precondition(v, side, f, eo, s, damping)
                 err = float((p - ref).norm() / ref.norm())
+                if layer.name in flat_shapes and side == "A":  # the hierarchical form, spatial blocks as leaves
+                    sketch = torch.cat([wide @ om, wide.diagonal()[:, None]], dim=1)
+                    for split in args.blocks:
+                        idx = _spatial_blocks(flat_shapes[layer.name], split, d)
+                        hf = lowrank.blocked(sketch, om, [(i, wide[i][:, i]) for i in idx], r, torch.float64)
+                        hp = lowrank.blocked_precondition(v, hf, eo, lowrank.blocked_cores(hf, eo[1], damping),
+                                                          damping)
+                        hrow = {"model": args.model, "size": args.size, "layer": f"{layer.name} blocks {split}",
+                                "factor": side, "width": d, "other": other.shape[0], "damping": damping, "rank": r,
+                                "rel_error": float((hp - ref).norm() / ref.norm()), "dense_vs_plain": curvature}
+                        print(json.dumps(hrow), flush=True)
+                        rows.append(hrow)
                 cos = float((p * ref).sum() / (p.norm() * ref.norm()))
                 row = {"model": args.model, "size": args.size, "layer": layer.name, "factor": side, "width": d,
                        "other": other.shape[0], "damping": damping, "rank": r, "rel_error": err, "cosine": cos,
@@ -127,6 +146,22 @@ def cmd_error(args: argparse.Namespace) -> list[dict[str, Any]]:
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     return rows
+
+
+def _spatial_blocks(shape: tuple[int, ...], split: str, width: int) -> list[torch.Tensor]:
+    """Feature indices of each spatial block of a flattened (C, D, H, W) input split
+    ``split`` ("2x2x1") along D, H, W; the bias feature (if any) a block of its own."""
+    c, *dims = shape
+    parts = [int(v) for v in split.split("x")]
+    pos = torch.arange(c * dims[0] * dims[1] * dims[2]).view(c, *dims)
+    out = []
+    for bd in torch.tensor_split(torch.arange(dims[0]), parts[0]):
+        for bh in torch.tensor_split(torch.arange(dims[1]), parts[1]):
+            for bw in torch.tensor_split(torch.arange(dims[2]), parts[2]):
+                out.append(pos[:, bd][:, :, bh][:, :, :, bw].reshape(-1).sort().values)
+    if width > pos.numel():
+        out.append(torch.arange(pos.numel(), width))
+    return out
 
 
 def _synthetic_rows(n: int, d: int, gen: torch.Generator) -> torch.Tensor:
@@ -209,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--oversample", type=int, default=16)
     e.add_argument("--damping", type=float, nargs="+", default=[1e-3, 1e-1])
     e.add_argument("--min-width", type=int, default=512)
+    e.add_argument("--blocks", nargs="*", default=["2x1x1", "2x2x1", "2x2x2"],
+                   help="spatial splits whose blocks are the leaves of the Flatten+Linear's hierarchical form")
     c = sub.add_parser("cost", help="time and memory of the low-rank path against width")
     c.add_argument("--widths", type=int, nargs="+", default=[1025, 4097, 16385, 32769])
     c.add_argument("--rank", type=int, default=128)

@@ -95,7 +95,7 @@ class KFAC(torch.optim.SGD):
             log.info("kfac: layer '%s' (%s): factor %s is %d wide > kfac.max_factor_dim %d: held as rank %d plus "
                      "diagonal (sketch of %d columns), %.1f MiB per rank (dense: %.1f MiB)", layer.name,
                      serial_type(layer.module), layer.wide, d, cfg.max_factor_dim, layer.rank, m, mem / 2**20,
-                     size * 4 * d * d / 2**20)
+                     size * 3.5 * d * d / 2**20)
         if not any("max_factor_dim" in why for _, why in skipped):
             log.info("kfac: no layer takes the plain update for its width (%d held low rank)",
                      sum(layer.wide is not None for layer in self.layers))

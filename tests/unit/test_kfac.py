@@ -330,3 +330,41 @@ def test_low_rank_cost_script_counts_linear_memory(capsys):
     # memory grows linearly with the width (10x, less the cores' fixed share), dense quadratically
     ratio = rows[1]["lowrank_memory_bytes"] / rows[0]["lowrank_memory_bytes"]
     assert 7 < ratio <= 10 and rows[1]["dense_memory_bytes"] / rows[0]["dense_memory_bytes"] == 100
+
+
+def test_hierarchical_form_solves_exactly_and_reduces_to_the_others():
+    from parallel.kfac import lowrank
+    from parallel.kfac.inverse import eigen, precondition
+
+    gen = torch.Generator().manual_seed(0)
+    d, n, damping = 48, 5, 1e-2
+    x = torch.randn(300, d, dtype=torch.float64, generator=gen) * torch.linspace(1.0, 0.05, d, dtype=torch.float64)
+    a = x.t() @ x / 300
+    g = torch.randn(n, n + 2, dtype=torch.float64, generator=gen)
+    eg = eigen(g @ g.t(), torch.float64)
+    v = torch.randn(n, d, dtype=torch.float64, generator=gen)
+    blocks = [torch.arange(0, 20), torch.arange(20, 44), torch.arange(44, 48)]  # spatial blocks, uneven
+
+    def form(rank, index):
+        om = lowrank.omega("h", d, min(d, rank + 4), torch.float64, a.device)
+        sketch = torch.cat([a @ om, a.diagonal()[:, None]], dim=1)
+        f = lowrank.blocked(sketch, om, [(i, a[i][:, i]) for i in index], rank, torch.float64)
+        return f, lowrank.blocked_precondition(v, f, eg, lowrank.blocked_cores(f, eg[1], damping), damping), (sketch, om)
+
+    f, p, _ = form(8, blocks)
+    h = f.u @ torch.diag(f.lam) @ f.u.t()  # the form assembled densely: Woodbury must solve it exactly
+    for i, q, e in zip(f.index, f.q, f.e):
+        h[i[:, None], i[None, :]] += q @ torch.diag(e) @ q.t()
+    torch.testing.assert_close(p, precondition(v, eigen(h, torch.float64), eg, damping), rtol=1e-10, atol=0)
+    torch.testing.assert_close(h[:20, :20], a[:20, :20], rtol=1e-10, atol=1e-12)  # diagonal blocks exact
+    # full rank: the factor itself, so dense K-FAC
+    _, p_full, _ = form(d, blocks)
+    dense = precondition(v, eigen(a, torch.float64), eg, damping)
+    torch.testing.assert_close(p_full, dense, rtol=1e-8, atol=1e-8 * float(dense.abs().max()))
+    # one index per block: the low-rank plus diagonal form
+    _, p_diag, (sketch, om) = form(8, [torch.tensor([j]) for j in range(d)])
+    low = lowrank.nystrom(sketch, om, 8, 0.0, torch.float64)
+    torch.testing.assert_close(p_diag, lowrank.precondition(v, "A", low, eg, lowrank.cores(low, eg[1], damping),
+                                                            damping), rtol=1e-12, atol=0)
+    # blocks carry more of the factor than the diagonal: closer to dense at the same rank
+    assert float((p - dense).norm()) < float((p_diag - dense).norm())
