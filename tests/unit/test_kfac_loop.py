@@ -137,8 +137,8 @@ def test_plan_adds_kfac_work_and_memory_to_the_step():
     assert costs.patch_bytes > 4 * 4 * 64**3 // 2 * 109
     assert with_kfac["kfac_inverse_s"] == pytest.approx(costs.inverse_flops / 20 / m.default_conv_flops)
     assert with_kfac["kfac_allreduce_s"] > 0 and with_kfac["kfac_broadcast_s"] > 0
-    assert with_kfac["kfac_plain_layers"] == []  # A 6913 and 8193 wide > 4096: held low rank
-    assert with_kfac["kfac_low_rank_layers"] == ["features.12 (A 6913 wide, rank 128)", "head.1 (A 8193 wide, rank 128)"]
+    assert with_kfac["kfac_plain_layers"] == []  # A 6913 and 4097 wide > 4096: held low rank
+    assert with_kfac["kfac_low_rank_layers"] == ["features.12 (A 6913 wide, rank 128)", "head.1 (A 4097 wide, rank 128)"]
     plain = predict(layers, m, 2, (2, 1, 1), Options(global_batch=8, kfac=KFACPlan(
         model, (4, 64, 64, 64), KFACConfig(factor_interval=5, inverse_interval=20, wide_factors="plain"))))
     assert plain["kfac_plain_layers"] == ["features.12", "head.1"]
