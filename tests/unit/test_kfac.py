@@ -368,3 +368,29 @@ def test_hierarchical_form_solves_exactly_and_reduces_to_the_others():
                                                             damping), rtol=1e-12, atol=0)
     # blocks carry more of the factor than the diagonal: closer to dense at the same rank
     assert float((p - dense).norm()) < float((p_diag - dense).norm())
+
+
+def test_wide_output_factors_at_full_rank_equal_dense_and_rank_tol_drops():
+    # G held low rank: a convolution with 30 output channels (channel sketches of the output
+    # gradient) and a Linear with 25 outputs (sketches of its gradient rows); A of a 1x1x1
+    # convolution and of a Linear beside them.
+    def run(**kw):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv3d(2, 30, 1), nn.Tanh(), nn.Conv3d(30, 3, 1), nn.AvgPool3d(4), nn.Flatten(),
+                              nn.Linear(6, 25), nn.Tanh(), nn.Linear(25, 3)).double()
+        opt = KFAC(model, None, KFACConfig(**{**kfac_cases.settings(), "factor_dtype": "float64", **kw}), lr=0.1)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            opt.zero_grad()
+            x = torch.randn(3, 2, 4, 4, 8, dtype=torch.float64, generator=gen)
+            ((model(x) - torch.randn(3, 3, dtype=torch.float64, generator=gen)) ** 2).mean().backward()
+            opt.step()
+        return model, opt
+
+    dense, _ = run()
+    full, opt = run(max_factor_dim=20, rank=100, oversample=0)
+    assert {k: v["factor"] for k, v in opt.report()["low_rank"].items()} == {"0": "G", "2": "A", "5": "G", "7": "A"}
+    with torch.no_grad():
+        assert _close(dense, full) < 1e-10 * max(float(p.abs().max()) for p in dense.parameters())
+    _, cut = run(max_factor_dim=20, rank=100, oversample=0, rank_tol=0.5)
+    assert all(v["kept"] < v["rank"] for v in cut.report()["low_rank"].values())
