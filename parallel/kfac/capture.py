@@ -68,7 +68,9 @@ class Recorder:
         self.capturing = on
         for layer in self.layers:
             if hasattr(type(layer.module), "window_hook"):
-                layer.module.window_hook = self._window if on else None  # type: ignore[assignment]
+                # a hierarchical Flatten+Linear keeps its hook: every forward shows it the volume
+                keep = layer.kind == "flat" and layer.split is not None
+                layer.module.window_hook = self._window if on or keep else None  # type: ignore[assignment]
 
     def clear(self) -> None:
         for layer in self.layers:
@@ -90,6 +92,9 @@ class Recorder:
 
     # -- forward ----------------------------------------------------------------------
     def _on_window(self, module: nn.Module, t: torch.Tensor, *geometry: Any) -> None:
+        seen = self.by_id.get(id(module))
+        if seen is not None and seen.kind == "flat":
+            seen.see_volume((t.shape[1], *geometry[0]))
         layer = self._layer(module)
         if layer is not None:
             with torch.no_grad():

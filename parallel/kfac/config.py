@@ -90,6 +90,11 @@ class KFACConfig:
     """Rank of a low-rank factor (at most its width: at its width it is the dense factor)."""
     oversample: int = 16
     """Extra columns of the sketch beyond ``rank`` (the range finder's oversampling)."""
+    flat_blocks: list[int] = field(default_factory=list)
+    """``[sd, sh, sw]``: a Flatten+Linear whose A is wider than ``max_factor_dim`` holds it in
+    the hierarchical form, the blocks of this split of its input volume as dense diagonal
+    blocks plus the low-rank coupling (``lowrank.Blocked``); empty: low rank plus diagonal.
+    A setting, not the grid's split, so that every grid computes the same form."""
     rank_tol: float = 0.0
     """Eigenvalues of a low-rank factor below this times its largest are dropped (their
     mass goes to the diagonal; 0: none); the kept rank is logged at each inverse update."""
@@ -125,6 +130,9 @@ class KFACConfig:
         self.wide_factors = WideFactors(str(self.wide_factors))
         if self.rank < 1 or self.oversample < 0:
             raise ValueError(f"kfac.rank must be >= 1 and kfac.oversample >= 0, got {self.rank} and {self.oversample}")
+        if self.flat_blocks and (len(self.flat_blocks) != 3 or min(self.flat_blocks) < 1):
+            raise ValueError(f"kfac.flat_blocks must be empty or three splits >= 1 (D, H, W), got "
+                             f"{list(self.flat_blocks)}")
         if not 0.0 <= self.rank_tol < 1.0:
             raise ValueError(f"kfac.rank_tol must be in [0, 1), got {self.rank_tol}")
         if not self.chunk_mb > 0:

@@ -19,6 +19,7 @@ data groups like the gradients' own. Factors travel as upper triangles (half the
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -124,14 +125,17 @@ def reduce_factors(layers: list[Layer], dtype: torch.dtype, grid: Any, grad_scal
 def _rows_sum(layer: Layer, side: str, rows: torch.Tensor) -> torch.Tensor:
     """``rows^T rows`` for a linear layer's (N, d) rows, or its sketch if that factor is wide."""
     if layer.wide == side:
-        return sketch_rows(rows.t(), layer.omega.to(rows.dtype))  # type: ignore[union-attr]
+        sketch = sketch_rows(rows.t(), layer.omega.to(rows.dtype))  # type: ignore[union-attr]
+        if side == "A" and layer.blocks is not None:  # hierarchical: then each diagonal block's Gram
+            return torch.cat([sketch.reshape(-1)] + [pack(rows[:, b].t() @ rows[:, b]) for b in layer.blocks])
+        return sketch
     return rows.t() @ rows
 
 
 def _size(layer: Layer, side: str) -> int:
     """Values side ``side``'s factor takes in the all-reduce: an upper triangle, or a whole sketch."""
-    rows, cols = layer.shape(side)
-    return rows * cols if side == layer.wide else packed_size(rows)
+    shape = layer.shape(side)
+    return math.prod(shape) if side == layer.wide else packed_size(shape[0])
 
 
 def _pack(layer: Layer, side: str, m: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,10 @@ of that form (the other factor, here called G, dense and eigendecomposed as
 eigenvalue of G: ``E^-1 - E^-1 U S_i U^T E^-1`` with
 ``S_i = K^1/2 (I + K^1/2 U^T E_i^-1 U K^1/2)^-1 K^1/2``. The cores cost
 ``dim G * d * rank^2`` flops per inverse update; a step then costs ~``4 dim G * d * rank``.
+
+``Blocked`` is the hierarchical form: the diagonal replaced by dense diagonal blocks over
+given index sets (a Flatten+Linear's spatial blocks), each held as its eigendecomposition,
+so that ``E_i`` is block diagonal and applied block by block.
 """
 
 from __future__ import annotations
@@ -198,6 +202,11 @@ class Blocked:
     index: list[torch.Tensor]
     q: list[torch.Tensor]
     e: list[torch.Tensor]
+
+    @property
+    def kept(self) -> int:
+        """The coupling's rank above the rounding floor (``Structured.kept``)."""
+        return Structured(self.u, self.lam, self.lam.new_zeros(0)).kept
 
 
 def blocked(sketch: torch.Tensor, om: torch.Tensor, blocks: list[tuple[torch.Tensor, torch.Tensor]], rank: int,

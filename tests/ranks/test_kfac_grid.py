@@ -74,19 +74,23 @@ def test_eigendecompositions_spread_over_ranks_equal_local(pools):
 LOW_RANK_GRIDS = [("spatial-2x1x1", 2, (2, 1, 1)), ("spatial-2x2x1", 4, (2, 2, 1)), ("data2-spatial-2x1x1", 4, (2, 1, 1))]
 # max_factor_dim 20 holds six of the seven layers' wide factor (A of the convolutions and of
 # the Flatten+Linear, G of the transposed conv) at rank 12 of 55..193, sketched from the
-# patches and rows of each rank's block; eigendecompositions at steps 0 and 2.
-LOW_RANK = kfac_cases.settings(max_factor_dim=20, rank=12, oversample=4)
+# patches and rows of each rank's block; eigendecompositions at steps 0 and 2. The
+# hierarchical form: the Flatten+Linear's A (193: 3 channels x 4^3 + bias) as the 2x2x1
+# blocks of its input volume (48 features each) plus the bias, dense, and a rank-4 coupling.
+FORMS = {"diagonal": kfac_cases.settings(max_factor_dim=20, rank=12, oversample=4),
+         "hierarchical": kfac_cases.settings(max_factor_dim=20, rank=4, oversample=4, flat_blocks=[2, 2, 1])}
 
 
 @pytest.fixture(scope="module")
 def low_rank_serial():
-    return kfac_cases.low_rank_serial(4, LOW_RANK)
+    return {form: kfac_cases.low_rank_serial(4, kw) for form, kw in FORMS.items()}
 
 
+@pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("world,spatial", [g[1:] for g in LOW_RANK_GRIDS], ids=[g[0] for g in LOW_RANK_GRIDS])
-def test_low_rank_factors_equal_serial(pools, low_rank_serial, world, spatial):
-    serial = low_rank_serial
+def test_low_rank_factors_equal_serial(pools, low_rank_serial, world, spatial, form):
+    serial = low_rank_serial[form]
     assert len(serial["low_rank"]) == 6 and serial["low_rank"]["11"]["width"] == 193
-    assert all(entry["kept"] == 12 for entry in serial["low_rank"].values())
-    for r in pools.run(world, kfac_cases.check_low_rank_steps, 4, LOW_RANK, serial, spatial=spatial, timeout=300):
+    assert serial["low_rank"]["11"]["blocks"] == (5 if form == "hierarchical" else 0)
+    for r in pools.run(world, kfac_cases.check_low_rank_steps, 4, FORMS[form], serial, spatial=spatial, timeout=300):
         assert r["low_rank"] == serial["low_rank"] and r["worst"] <= kfac_cases.RTOL
