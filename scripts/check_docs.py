@@ -162,6 +162,8 @@ RULES = [
     Rule(r"^python scripts/benchmark\.py ", "all", "as written (minutes each)", timeout=3600),
     Rule(r"^python scripts/compare_optim\.py ", "all", "as written: the sweep and the 12 runs take 15-30 minutes each",
          timeout=3600),
+    Rule(r"^python scripts/kfac_lowrank\.py ", "all", "as written: minutes each (dense eigendecompositions up to 6913 wide)",
+         timeout=3600),
     Rule(r"scripts/perf_pass\.sh", "all", "the whole pass as written (about 17 minutes)", timeout=3600),
     Rule(r"^python scripts/memory_demo\.py --size 128", "all", "as written: 128^3, a few minutes", timeout=1800),
     Rule(r"^python scripts/memory_demo\.py", "all", "as written: 256^3 on 4 ranks, about 10 minutes", timeout=3600),

@@ -30,6 +30,7 @@ from torch import nn
 
 from parallel.kfac.config import KFACConfig
 from parallel.kfac.layers import Layer
+from parallel.kfac.lowrank import channel_sketch, patch_sketch
 from parallel.kfac.patches import channel_gram, pad_volume, patch_gram, transposed_grad_pads
 from parallel.layers.conv.layer import conv_pads
 
@@ -48,9 +49,9 @@ class Capture:
 class Recorder:
     """Forward hooks (and window hooks of spatial layers) on every preconditioned layer."""
 
-    def __init__(self, layers: list[Layer], cfg: KFACConfig) -> None:
+    def __init__(self, layers: list[Layer], cfg: KFACConfig, dtype: torch.dtype) -> None:
         self.layers = layers
-        self.dtype = cfg.factor_dtype.torch
+        self.dtype = dtype
         self.chunk = cfg.chunk_mb * 2**20
         self.capturing = False
         self.by_id = {id(layer.module): layer for layer in layers}
@@ -67,7 +68,9 @@ class Recorder:
         self.capturing = on
         for layer in self.layers:
             if hasattr(type(layer.module), "window_hook"):
-                layer.module.window_hook = self._window if on else None  # type: ignore[assignment]
+                # a hierarchical Flatten+Linear keeps its hook: every forward shows it the volume
+                keep = layer.kind == "flat" and layer.split is not None
+                layer.module.window_hook = self._window if on or keep else None  # type: ignore[assignment]
 
     def clear(self) -> None:
         for layer in self.layers:
@@ -89,6 +92,9 @@ class Recorder:
 
     # -- forward ----------------------------------------------------------------------
     def _on_window(self, module: nn.Module, t: torch.Tensor, *geometry: Any) -> None:
+        seen = self.by_id.get(id(module))
+        if seen is not None and seen.kind == "flat":
+            seen.see_volume((t.shape[1], *geometry[0]))
         layer = self._layer(module)
         if layer is not None:
             with torch.no_grad():
@@ -126,7 +132,7 @@ class Recorder:
             mode = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
             cap.a, cap.count = self._conv_a(layer, pad_volume(x, pads, mode))
         elif layer.kind == "convT":
-            cap.a, cap.count = channel_gram(x, self.dtype)
+            cap.a, cap.count = self._channels(layer, "A", x)
             if cap.grad_pads is None:
                 tconv: Any = module
                 cap.grad_pads = transposed_grad_pads(tconv.padding, tconv.output_padding)
@@ -141,9 +147,21 @@ class Recorder:
             self._hook_output(layer, cap, output)
 
     def _conv_a(self, layer: Layer, padded: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return self._patches(layer, "A", padded, layer.module.bias is not None)  # type: ignore[union-attr]
+
+    def _patches(self, layer: Layer, side: str, padded: torch.Tensor, bias: bool) -> tuple[torch.Tensor, int]:
+        """The patch Gram sum of ``padded`` for factor ``side``, or its sketch if that factor is wide."""
         conv: Any = layer.module
-        return patch_gram(padded, conv.kernel_size, conv.stride, conv.dilation, conv.bias is not None,
-                          self.dtype, self.chunk)
+        if layer.wide == side:
+            return patch_sketch(padded, conv.kernel_size, conv.stride, conv.dilation, bias, layer.omega,
+                                self.dtype, self.chunk)
+        return patch_gram(padded, conv.kernel_size, conv.stride, conv.dilation, bias, self.dtype, self.chunk)
+
+    def _channels(self, layer: Layer, side: str, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The channel Gram sum of ``x`` for factor ``side``, or its sketch if that factor is wide."""
+        if layer.wide == side:
+            return channel_sketch(x, layer.omega, self.dtype)  # type: ignore[arg-type]
+        return channel_gram(x, self.dtype)
 
     def _hook_output(self, layer: Layer, cap: Capture, out: Any) -> None:
         if not isinstance(out, torch.Tensor) or not out.requires_grad:
@@ -162,12 +180,10 @@ class Recorder:
             layer.rows += cap.rows
             return
         if layer.kind == "conv":
-            g_gram, _ = channel_gram(g, self.dtype)
+            g_gram, _ = self._channels(layer, "G", g)
         else:
-            conv: Any = layer.module
             grad = pad_volume(g.detach(), cap.grad_pads or [(0, 0)] * 3)
-            g_gram, _ = patch_gram(grad, conv.kernel_size, conv.stride, conv.dilation, False, self.dtype,
-                                   self.chunk)
+            g_gram, _ = self._patches(layer, "G", grad, False)
         layer.a_sum = cap.a if layer.a_sum is None else layer.a_sum + cap.a
         layer.g_sum = g_gram if layer.g_sum is None else layer.g_sum + g_gram
         layer.a_count += cap.count

@@ -22,6 +22,7 @@ class Dtype(str, Enum):
     float64 = "float64"
     bfloat16 = "bfloat16"
     float16 = "float16"
+    auto = "auto"
 
     def __str__(self) -> str:
         return str(self.value)
@@ -31,7 +32,25 @@ class Dtype(str, Enum):
 
     @property
     def torch(self) -> torch.dtype:
+        if self is Dtype.auto:
+            raise ValueError("kfac: the precision 'auto' follows the weights: resolve it with KFACConfig.dtypes()")
         return getattr(torch, self.value)
+
+    def resolve(self, weights: torch.dtype) -> torch.dtype:
+        """This precision, ``auto`` taking float64 for float64 weights and float32 otherwise."""
+        if self is Dtype.auto:
+            return torch.float64 if weights == torch.float64 else torch.float32
+        return self.torch
+
+
+class WideFactors(str, Enum):
+    """What a layer whose factor is wider than ``max_factor_dim`` gets."""
+
+    lowrank = "lowrank"
+    plain = "plain"
+
+    def __str__(self) -> str:
+        return str(self.value)
 
 
 @dataclass
@@ -58,14 +77,34 @@ class KFACConfig:
     exclude: list[str] = field(default_factory=list)
     """Patterns of layers that take the plain update even if ``include`` matches them."""
     max_factor_dim: int = 4096
-    """A layer with a factor wider than this takes the plain update (logged by name): the
-    eigendecomposition costs ~9 d^3 flops and d^2 memory on every rank. CosmoFlow's first
-    Linear at 128^3 input has a 32769-wide A; its fifth conv a 6913-wide one."""
-    factor_dtype: Dtype = Dtype.float32
-    """Precision in which the factors are accumulated, reduced and averaged."""
-    inverse_dtype: Dtype = Dtype.float32
+    """Widest factor held densely: the eigendecomposition costs ~9 d^3 flops and d^2
+    memory on every rank. A wider one is held as low rank plus diagonal
+    (``wide_factors``). CosmoFlow's first Linear at 128^3 input has a 32769-wide A; its
+    fifth conv a 6913-wide one."""
+    wide_factors: WideFactors = WideFactors.lowrank
+    """A factor wider than ``max_factor_dim``: ``lowrank`` holds it as ``U diag(lam) U^T +
+    diag(D)`` from a randomized sketch, memory linear in its width
+    (``parallel.kfac.lowrank``); ``plain``: the layer takes the plain update. A layer with
+    both factors that wide takes the plain update either way."""
+    rank: int = 128
+    """Rank of a low-rank factor (at most its width: at its width it is the dense factor)."""
+    oversample: int = 16
+    """Extra columns of the sketch beyond ``rank`` (the range finder's oversampling)."""
+    flat_blocks: list[int] = field(default_factory=list)
+    """``[sd, sh, sw]``: a Flatten+Linear whose A is wider than ``max_factor_dim`` holds it in
+    the hierarchical form, the blocks of this split of its input volume as dense diagonal
+    blocks plus the low-rank coupling (``lowrank.Blocked``); empty: low rank plus diagonal.
+    A setting, not the grid's split, so that every grid computes the same form."""
+    rank_tol: float = 0.0
+    """Eigenvalues of a low-rank factor below this times its largest are dropped (their
+    mass goes to the diagonal; 0: none); the kept rank is logged at each inverse update."""
+    factor_dtype: Dtype = Dtype.auto
+    """Precision in which the factors are accumulated, reduced and averaged; ``auto``:
+    float64 when the preconditioned weights are float64 (``train.precision=fp64``),
+    float32 otherwise."""
+    inverse_dtype: Dtype = Dtype.auto
     """Precision of the eigendecompositions and of the preconditioning products (float32
-    or float64: eigensolvers do not run in half precision)."""
+    or float64: eigensolvers do not run in half precision; ``auto`` as for the factors)."""
     chunk_mb: float = 64.0
     """Largest block of convolution patches formed at once while accumulating A (MiB)."""
 
@@ -85,6 +124,17 @@ class KFACConfig:
             raise ValueError(f"kfac.kl_clip must be >= 0 (0: off), got {self.kl_clip}")
         if self.max_factor_dim < 1:
             raise ValueError(f"kfac.max_factor_dim must be >= 1, got {self.max_factor_dim}")
+        if str(self.wide_factors) not in WideFactors.__members__:
+            raise ValueError(f"kfac.wide_factors must be one of {', '.join(WideFactors.__members__)}, "
+                             f"got {str(self.wide_factors)!r}")
+        self.wide_factors = WideFactors(str(self.wide_factors))
+        if self.rank < 1 or self.oversample < 0:
+            raise ValueError(f"kfac.rank must be >= 1 and kfac.oversample >= 0, got {self.rank} and {self.oversample}")
+        if self.flat_blocks and (len(self.flat_blocks) != 3 or min(self.flat_blocks) < 1):
+            raise ValueError(f"kfac.flat_blocks must be empty or three splits >= 1 (D, H, W), got "
+                             f"{list(self.flat_blocks)}")
+        if not 0.0 <= self.rank_tol < 1.0:
+            raise ValueError(f"kfac.rank_tol must be in [0, 1), got {self.rank_tol}")
         if not self.chunk_mb > 0:
             raise ValueError(f"kfac.chunk_mb must be > 0, got {self.chunk_mb}")
         for name in ("factor_dtype", "inverse_dtype"):
@@ -92,6 +142,10 @@ class KFACConfig:
             if value not in Dtype.__members__:
                 raise ValueError(f"kfac.{name} must be one of {', '.join(Dtype.__members__)}, got {value!r}")
             setattr(self, name, Dtype(value))
-        if self.inverse_dtype not in (Dtype.float32, Dtype.float64):
-            raise ValueError(f"kfac.inverse_dtype must be float32 or float64 (eigendecompositions), "
+        if self.inverse_dtype not in (Dtype.float32, Dtype.float64, Dtype.auto):
+            raise ValueError(f"kfac.inverse_dtype must be float32, float64 or auto (eigendecompositions), "
                              f"got {self.inverse_dtype}")
+
+    def dtypes(self, weights: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+        """(factor, inverse) precisions for preconditioned weights of dtype ``weights``."""
+        return Dtype(str(self.factor_dtype)).resolve(weights), Dtype(str(self.inverse_dtype)).resolve(weights)

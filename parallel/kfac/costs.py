@@ -9,8 +9,10 @@ and buffer layout as the optimiser:
   payload of the spatial all-reduce of the linear layers' rows (0 when spatial is 1);
 - ``factor_flops``: Gram products on this rank per factor update (its block's patches);
   ``patch_bytes``: the patches (and linear rows) those products copy out of the activations;
-- ``inverse_flops``: eigendecomposition flops (~9 d^3 each) of the busiest rank under the
-  optimiser's assignment, and ``inverse_flops_total`` over all ranks; ``broadcast_bytes``:
+- ``inverse_flops``: eigendecomposition flops (~9 d^3 each; a low-rank factor's Nystrom
+  step ~6 d m^2) of the busiest rank under the optimiser's assignment, plus the low-rank
+  factors' Woodbury cores (2 n d r^2, formed on every rank), and ``inverse_flops_total``
+  over all ranks; ``broadcast_bytes``:
   the eigenvectors and eigenvalues broadcast per inverse update;
 - ``precondition_flops``: the four matrix products per layer, every step, on every rank;
 - ``memory_bytes``: per rank, factors + eigendecompositions + the step's Gram sums + the
@@ -31,7 +33,9 @@ from torch import nn
 from parallel.kfac.config import KFACConfig
 from parallel.kfac.factors import packed_size
 from parallel.kfac.inverse import EIGH_FLOPS_PER_DIM3, assign, loads
+from parallel.kfac import lowrank
 from parallel.kfac.layers import find_layers
+from parallel.kfac.lowrank import NYSTROM_FLOPS_PER_DM2, sketch_width
 from parallel.model.trace import hooked, meta_copy, meta_forward, on_meta
 
 
@@ -102,43 +106,61 @@ def kfac_costs(model: nn.Module, input_shape: Sequence[int], cfg: KFACConfig | N
         raise ValueError(f"world size {world} is not a multiple of the spatial size {s} ({list(spatial)})")
     data = world // s
     batch = input_shape[0] / data
-    fbytes = torch.finfo(cfg.factor_dtype.torch).bits // 8
-    ibytes = torch.finfo(cfg.inverse_dtype.torch).bits // 8
+    weights = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    fdt, idt = cfg.dtypes(weights)
+    fbytes = torch.finfo(fdt).bits // 8
+    ibytes = torch.finfo(idt).bits // 8
     layers, skipped = find_layers(model, cfg)
     shapes = _shapes(model, input_shape[1:])
     flattened = _flattened(model)
     out = KFACCosts(cfg.factor_interval, cfg.inverse_interval, skipped=skipped)
-    dims: list[int] = []
+    items: list[float] = []  # inverse work (flops) of each factor, spread over the ranks
+    replicated = 0.0  # the low-rank factors' Woodbury cores, formed on every rank
     memory = 0.0
     for layer in layers:
         da, dg = layer.dim_a, layer.dim_g
         in_shape, out_shape = shapes.get(layer.name, ((), ()))
+        # per captured vector: a dense factor's Gram product 2 d^2; a sketched one 4 d m
+        # (a^T Omega, then a times it) and its diagonal
+        m = sketch_width(layer.dim(layer.wide), cfg.rank, cfg.oversample) if layer.wide else 0
+        gram = {side: (4.0 * layer.dim(side) * m if side == layer.wide else 2.0 * layer.dim(side) ** 2)
+                for side in "AG"}
         flops = 0.0
         if layer.kind == "conv":  # A over output patches, G over output positions: 1/S of them here
             positions = batch * math.prod(out_shape[1:]) / s
-            flops = 2.0 * positions * (da * da + dg * dg)
+            flops = positions * (gram["A"] + gram["G"])
             out.patch_bytes += fbytes * positions * da
         elif layer.kind == "convT":  # both over input positions (adjoint view)
             positions = batch * math.prod(in_shape[1:]) / s
-            flops = 2.0 * positions * (da * da + dg * dg)
+            flops = positions * (gram["A"] + gram["G"])
             out.patch_bytes += fbytes * positions * dg
         else:  # every rank forms the whole (replicated) Gram matrices of the batch rows
-            flops = 2.0 * batch * (da * da + dg * dg)
+            flops = batch * (gram["A"] + gram["G"])
             out.patch_bytes += fbytes * batch * (da + dg)
             if s > 1:  # output gradients, and the features of a Flatten+Linear
                 features = da - (layer.bias is not None) if layer.name in flattened else 0
                 out.linear_allreduce_bytes += fbytes * batch * (dg + features)
         out.factor_flops += flops
-        out.factor_allreduce_bytes += fbytes * (packed_size(da) + 1 + packed_size(dg))
-        out.broadcast_bytes += ibytes * (da * da + da + dg * dg + dg)
-        out.precondition_flops += 4.0 * (dg * dg * da + dg * da * da)
-        memory += fbytes * 2 * (da * da + dg * dg) + ibytes * (da * da + da + dg * dg + dg)
-        memory += fbytes * (packed_size(da) + 1 + packed_size(dg))
-        dims += [da, dg]
+        if layer.wide is None:
+            out.factor_allreduce_bytes += fbytes * (packed_size(da) + 1 + packed_size(dg))
+            out.broadcast_bytes += ibytes * (da * da + da + dg * dg + dg)
+            out.precondition_flops += 4.0 * (dg * dg * da + dg * da * da)
+            memory += fbytes * 2 * (da * da + dg * dg) + ibytes * (da * da + da + dg * dg + dg)
+            memory += fbytes * (packed_size(da) + 1 + packed_size(dg))
+            items += [EIGH_FLOPS_PER_DIM3 * float(da) ** 3, EIGH_FLOPS_PER_DIM3 * float(dg) ** 3]
+        else:  # the wide factor d as a sketch, rank r; the other (n wide) dense
+            d, n, r = layer.dim(layer.wide), layer.dim("G" if layer.wide == "A" else "A"), layer.rank
+            out.factor_allreduce_bytes += fbytes * (d * (m + 1) + 1 + packed_size(n))
+            out.broadcast_bytes += ibytes * (d * r + r + d + n * n + n)
+            out.precondition_flops += 4.0 * n * n * d + 4.0 * n * d * r
+            memory += fbytes * lowrank.memory_elements(d, n, cfg.rank, cfg.oversample)
+            memory += fbytes * 3 * n * n + ibytes * (n * n + n) + fbytes * packed_size(n)
+            items += [NYSTROM_FLOPS_PER_DM2 * d * m * m, EIGH_FLOPS_PER_DIM3 * float(n) ** 3]
+            replicated += 2.0 * n * d * r * r
         out.layers.append({"name": layer.name, "kind": layer.kind, "dim_a": da, "dim_g": dg,
-                           "factor_flops": flops})
-    costs = [EIGH_FLOPS_PER_DIM3 * float(d) ** 3 for d in dims]
-    per_rank = loads(costs, assign(costs, world), world) if costs else [0.0]
-    out.inverse_flops, out.inverse_flops_total = max(per_rank), sum(costs)
+                           "factor_flops": flops, "low_rank": layer.wide, "rank": layer.rank})
+    per_rank = loads(items, assign(items, world), world) if items else [0.0]
+    out.inverse_flops = max(per_rank) + replicated
+    out.inverse_flops_total = sum(items) + world * replicated
     out.memory_bytes = memory + (cfg.chunk_mb * 2**20 if layers else 0.0)
     return out

@@ -19,12 +19,14 @@ data groups like the gradients' own. Factors travel as upper triangles (half the
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 from parallel import comm
 from parallel.kfac.layers import Layer
+from parallel.kfac.lowrank import sketch_rows
 
 
 def _triu(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,32 +95,57 @@ def reduce_factors(layers: list[Layer], dtype: torch.dtype, grid: Any, grad_scal
             a, g = lin[i]
             if layer.bias is not None:
                 a = torch.cat([a, a.new_ones(a.shape[0], 1)], dim=1)
-            a_sum, g_sum, count, share = a.t() @ a, g.t() @ g, float(a.shape[0]), 1.0 / spatial
+            a_sum, g_sum = _rows_sum(layer, "A", a), _rows_sum(layer, "G", g)
+            count, share = float(a.shape[0]), 1.0 / spatial
         else:
-            a_sum = layer.a_sum if layer.a_sum is not None else torch.zeros(layer.dim_a, layer.dim_a, dtype=dtype,
+            a_sum = layer.a_sum if layer.a_sum is not None else torch.zeros(layer.shape("A"), dtype=dtype,
                                                                             device=device)
-            g_sum = layer.g_sum if layer.g_sum is not None else torch.zeros(layer.dim_g, layer.dim_g, dtype=dtype,
+            g_sum = layer.g_sum if layer.g_sum is not None else torch.zeros(layer.shape("G"), dtype=dtype,
                                                                             device=device)
             count, share = layer.a_count, 1.0
         g_scale = share * layer.rows / data / grad_scale**2
-        parts += [pack(a_sum.to(dtype)) * share, torch.tensor([count * share], dtype=dtype, device=device),
-                  pack(g_sum.to(dtype)) * g_scale]
+        parts += [_pack(layer, "A", a_sum.to(dtype)) * share, torch.tensor([count * share], dtype=dtype, device=device),
+                  _pack(layer, "G", g_sum.to(dtype)) * g_scale]
     if not parts:
         return []
     flat = comm.all_reduce_(torch.cat(parts), grid.world_group if grid is not None else None)
     starts, offset = [], 0
     for layer in layers:
         starts.append(offset)
-        offset += packed_size(layer.dim_a) + 1 + packed_size(layer.dim_g)
-    counts = flat[[s + packed_size(layer.dim_a) for s, layer in zip(starts, layers)]].tolist()  # one sync
+        offset += _size(layer, "A") + 1 + _size(layer, "G")
+    counts = flat[[s + _size(layer, "A") for s, layer in zip(starts, layers)]].tolist()  # one sync
     out: list[tuple[torch.Tensor, torch.Tensor] | None] = []
     for s, count, layer in zip(starts, counts, layers):
-        na, ng = packed_size(layer.dim_a), packed_size(layer.dim_g)
+        na, ng = _size(layer, "A"), _size(layer, "G")
         a, g = flat[s:s + na], flat[s + na + 1:s + na + 1 + ng]
-        out.append((unpack(a, layer.dim_a) / count, unpack(g, layer.dim_g)) if count > 0 else None)
+        out.append((_unpack(layer, "A", a) / count, _unpack(layer, "G", g)) if count > 0 else None)
     return out
+
+
+def _rows_sum(layer: Layer, side: str, rows: torch.Tensor) -> torch.Tensor:
+    """``rows^T rows`` for a linear layer's (N, d) rows, or its sketch if that factor is wide."""
+    if layer.wide == side:
+        sketch = sketch_rows(rows.t(), layer.omega.to(rows.dtype))  # type: ignore[union-attr]
+        if side == "A" and layer.blocks is not None:  # hierarchical: then each diagonal block's Gram
+            return torch.cat([sketch.reshape(-1)] + [pack(rows[:, b].t() @ rows[:, b]) for b in layer.blocks])
+        return sketch
+    return rows.t() @ rows
+
+
+def _size(layer: Layer, side: str) -> int:
+    """Values side ``side``'s factor takes in the all-reduce: an upper triangle, or a whole sketch."""
+    shape = layer.shape(side)
+    return math.prod(shape) if side == layer.wide else packed_size(shape[0])
+
+
+def _pack(layer: Layer, side: str, m: torch.Tensor) -> torch.Tensor:
+    return m.reshape(-1) if side == layer.wide else pack(m)
+
+
+def _unpack(layer: Layer, side: str, v: torch.Tensor) -> torch.Tensor:
+    return v.view(layer.shape(side)) if side == layer.wide else unpack(v, layer.dim(side))
 
 
 def factor_bytes(layers: list[Layer], itemsize: int) -> int:
     """Bytes of the world all-reduce of one factor update."""
-    return itemsize * sum(packed_size(layer.dim_a) + 1 + packed_size(layer.dim_g) for layer in layers)
+    return itemsize * sum(_size(layer, "A") + 1 + _size(layer, "G") for layer in layers)

@@ -14,7 +14,9 @@ With ``A = Q_A diag(a) Q_A^T`` and ``G = Q_G diag(g) Q_G^T``, the gradient matri
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -59,27 +61,47 @@ def decompose(factors: list[torch.Tensor], dtype: torch.dtype, group: Any, world
               ) -> list[Eigen]:
     """The eigendecomposition of every factor, each computed by one rank and broadcast
     over ``group`` (whose ranks are the global ranks 0..world_size-1). Collective."""
-    dims = [f.shape[0] for f in factors]
-    owner = assign([float(d) ** 3 for d in dims], world_size)
-    results: list[Eigen | None] = [eigen(f, dtype) if owner[i] == rank else None for i, f in enumerate(factors)]
+    items = [Item(float(f.shape[0]) ** 3, (lambda f=f: list(eigen(f, dtype))), [(f.shape[0], f.shape[0]),
+                                                                                 (f.shape[0],)])
+             for f in factors]
+    device = factors[0].device if factors else torch.device("cpu")
+    return [(r[0], r[1]) for r in spread(items, dtype, device, group, world_size, rank)]
+
+
+@dataclass
+class Item:
+    """One unit of inverse work: its cost, how to compute it, and the shapes of its results."""
+
+    cost: float
+    compute: Callable[[], list[torch.Tensor]]
+    shapes: list[tuple[int, ...]]
+
+
+def spread(items: list[Item], dtype: torch.dtype, device: torch.device, group: Any, world_size: int, rank: int
+           ) -> list[list[torch.Tensor]]:
+    """Every item computed by one rank (``assign`` on the costs) and broadcast over ``group``
+    in one packed buffer per owner. Collective."""
+    owner = assign([it.cost for it in items], world_size)
+    results: list[list[torch.Tensor] | None] = [it.compute() if owner[i] == rank else None
+                                                for i, it in enumerate(items)]
     if world_size > 1:
+        sizes = [[math.prod(shape) for shape in it.shapes] for it in items]
         for src in range(world_size):
-            mine = [i for i in range(len(factors)) if owner[i] == src]
+            mine = [i for i in range(len(items)) if owner[i] == src]
             if not mine:
                 continue
-            device = factors[mine[0]].device
             if src == rank:
-                buf = torch.cat([t.reshape(-1) for i in mine for t in results[i]])  # type: ignore[union-attr]
+                buf = torch.cat([t.reshape(-1).to(dtype) for i in mine for t in results[i]])  # type: ignore[union-attr]
             else:
-                buf = torch.empty(sum(dims[i] * dims[i] + dims[i] for i in mine), dtype=dtype, device=device)
+                buf = torch.empty(sum(sum(sizes[i]) for i in mine), dtype=dtype, device=device)
             comm.broadcast_(buf, src, group)
             offset = 0
             for i in mine:
-                d = dims[i]
-                q = buf[offset:offset + d * d].view(d, d)
-                lam = buf[offset + d * d:offset + d * d + d]
-                results[i] = (q, lam)
-                offset += d * d + d
+                out = []
+                for shape, n in zip(items[i].shapes, sizes[i]):
+                    out.append(buf[offset:offset + n].view(shape))
+                    offset += n
+                results[i] = out
     return results  # type: ignore[return-value]
 
 

@@ -46,6 +46,42 @@ class Layer:
     lin_a: list[torch.Tensor] = field(default_factory=list)
     lin_g: list[torch.Tensor] = field(default_factory=list)
     pending: Any = None
+    # A factor wider than kfac.max_factor_dim, held low rank plus diagonal
+    # (``parallel.kfac.lowrank``): which one ("A" or "G"), its rank and its test matrix
+    # (set by the optimiser); its step sums and running value are sketches (dim, m + 1).
+    wide: str | None = None
+    rank: int = 0
+    omega: torch.Tensor | None = None
+    # A Flatten+Linear's A in the hierarchical form (``kfac.flat_blocks``): the split, and
+    # once a forward has shown the flattened (C, D, H, W), each diagonal block's features
+    split: tuple[int, int, int] | None = None
+    blocks: list[torch.Tensor] | None = None
+
+    def see_volume(self, shape: tuple[int, ...]) -> None:
+        """The flattened input's (C, D, H, W): fixes the diagonal blocks of a hierarchical A."""
+        if self.split is None or self.blocks is not None:
+            return
+        c, *dims = shape
+        pos = torch.arange(c * dims[0] * dims[1] * dims[2]).view(c, *dims)
+        blocks = []
+        for bd in torch.tensor_split(torch.arange(dims[0]), self.split[0]):
+            for bh in torch.tensor_split(torch.arange(dims[1]), self.split[1]):
+                for bw in torch.tensor_split(torch.arange(dims[2]), self.split[2]):
+                    if len(bd) and len(bh) and len(bw):
+                        blocks.append(pos[:, bd][:, :, bh][:, :, :, bw].reshape(-1).sort().values)
+        if self.dim_a > pos.numel():  # the bias feature: a block of its own
+            blocks.append(torch.arange(pos.numel(), self.dim_a))
+        self.blocks = [b.to(self.weight.device) for b in blocks]
+
+    def dim(self, side: str) -> int:
+        return self.dim_a if side == "A" else self.dim_g
+
+    def shape(self, side: str) -> tuple[int, int]:
+        """The shape of side ``side``'s factor as kept: dense (d, d) or a sketch (d, m + 1)."""
+        d = self.dim(side)
+        if side == self.wide and self.blocks is not None and side == "A":  # sketch, then the blocks' triangles
+            return (d * (self.omega.shape[1] + 1) + sum(len(b) * (len(b) + 1) // 2 for b in self.blocks),)  # type: ignore[union-attr]
+        return (d, self.omega.shape[1] + 1) if side == self.wide and self.omega is not None else (d, d)
 
     @property
     def key(self) -> str:
@@ -142,10 +178,18 @@ def find_layers(model: nn.Module, cfg: KFACConfig) -> tuple[list[Layer], list[tu
             skipped.append((name, f"{kind}: {dims}"))
             continue
         wide = max(dims[1], dims[2])
+        structured = None
         if wide > cfg.max_factor_dim:
             which = "A" if dims[1] >= dims[2] else "G"
-            skipped.append((name, f"{kind}: factor {which} is {wide} wide > kfac.max_factor_dim "
-                                  f"{cfg.max_factor_dim}"))
-            continue
-        layers.append(Layer(name, module, *dims))
+            both = min(dims[1], dims[2]) > cfg.max_factor_dim
+            if str(cfg.wide_factors) != "lowrank" or both:
+                why = "both factors are" if both else f"factor {which} is {wide}"
+                skipped.append((name, f"{kind}: {why} wide > kfac.max_factor_dim {cfg.max_factor_dim}"
+                                      + ("" if both else " (kfac.wide_factors=plain)")))
+                continue
+            structured = which
+        split = (tuple(cfg.flat_blocks) if cfg.flat_blocks and structured == "A" and dims[0] in ("flat", "linear")
+                 else None)
+        layers.append(Layer(name, module, *dims, wide=structured, rank=min(cfg.rank, wide) if structured else 0,
+                            split=split))  # type: ignore[arg-type]
     return layers, skipped

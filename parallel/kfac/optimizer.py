@@ -25,8 +25,10 @@ from torch import nn
 
 from parallel.kfac.capture import Recorder
 from parallel.kfac.config import KFACConfig
-from parallel.kfac.factors import reduce_factors
-from parallel.kfac.inverse import Eigen, decompose, precondition
+from parallel.kfac.factors import packed_size, reduce_factors, unpack
+from parallel.kfac import lowrank
+from parallel.kfac.inverse import EIGH_FLOPS_PER_DIM3, Eigen, Item, eigen, precondition, spread
+from parallel.kfac.lowrank import NYSTROM_FLOPS_PER_DM2, Blocked, Structured, nystrom, omega, sketch_width
 from parallel.kfac.layers import Layer, find_layers, serial_type
 from parallel.model.parallel_module import ParallelModule
 
@@ -68,12 +70,70 @@ class KFAC(torch.optim.SGD):
         log.info("kfac: preconditioning %d layers: %s", len(self.layers),
                  ", ".join(f"{layer.name} ({serial_type(layer.module)} A {layer.dim_a} G {layer.dim_g})"
                            for layer in self.layers))
+        wide = torch.float64 if any(layer.weight.dtype == torch.float64 for layer in self.layers) else torch.float32
+        self.factor_dtype, self.inverse_dtype = self.cfg.dtypes(wide)
+        self._structure_wide_factors(skipped)
         self.steps = 0
         self.factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.eigen: dict[str, tuple[Eigen, Eigen]] = {}
+        self.eigen: dict[str, tuple[Eigen | Structured, Eigen | Structured]] = {}
+        self.cores: dict[str, torch.Tensor] = {}
         self.last_nu: torch.Tensor | None = None
-        self.recorder = Recorder(self.layers, self.cfg)
+        self.pending: dict[str, dict[str, torch.Tensor]] = {}  # loaded before a forward showed the blocks
+        self.flatten_hooks = self._watch_flattens(module)
+        self.recorder = Recorder(self.layers, self.cfg, self.factor_dtype)
         self.recorder.arm(self.captures(self.steps))
+
+    def _structure_wide_factors(self, skipped: list[tuple[str, str]]) -> None:
+        """Draw the test matrix of every factor above ``max_factor_dim`` and log its rank and memory."""
+        cfg = self.cfg
+        size = torch.finfo(self.factor_dtype).bits // 8
+        for layer in self.layers:
+            if layer.wide is None:
+                continue
+            d, other = layer.dim(layer.wide), layer.dim("G" if layer.wide == "A" else "A")
+            m = sketch_width(d, cfg.rank, cfg.oversample)
+            layer.omega = omega(layer.key, d, m, self.factor_dtype, layer.weight.device)
+            mem = size * lowrank.memory_elements(d, other, cfg.rank, cfg.oversample)
+            log.info("kfac: layer '%s' (%s): factor %s is %d wide > kfac.max_factor_dim %d: held as rank %d plus "
+                     "diagonal (sketch of %d columns), %.1f MiB per rank (dense: %.1f MiB)", layer.name,
+                     serial_type(layer.module), layer.wide, d, cfg.max_factor_dim, layer.rank, m, mem / 2**20,
+                     size * 3.5 * d * d / 2**20)
+        if not any("max_factor_dim" in why for _, why in skipped):
+            log.info("kfac: no layer takes the plain update for its width (%d held low rank)",
+                     sum(layer.wide is not None for layer in self.layers))
+
+    def _watch_flattens(self, model: nn.Module) -> list[Any]:
+        """Hooks on the Flatten before each hierarchical Linear (serial): its input's shape
+        fixes the diagonal blocks (a SpatialLinear's window hook does it in a split model)."""
+        by_name = {layer.name: layer for layer in self.layers if layer.split is not None and layer.kind == "linear"}
+        handles = []
+        for prefix, mod in model.named_modules():
+            kids = list(mod.named_children()) if isinstance(mod, nn.Sequential) else []
+            for (_, a), (name, b) in zip(kids, kids[1:]):
+                layer = by_name.get(f"{prefix}.{name}" if prefix else name)
+                if isinstance(a, nn.Flatten) and layer is not None:
+                    handles.append(a.register_forward_hook(
+                        lambda m, i, o, layer=layer: layer.see_volume(tuple(i[0].shape[1:])) if i[0].dim() == 5
+                        else None))
+        return handles
+
+    def report(self) -> dict[str, Any]:
+        """What the run's summary shows of K-FAC: the layers, the low-rank factors' widths,
+        ranks (as set and as kept at the last inverse update) and memory per rank."""
+        size = torch.finfo(self.factor_dtype).bits // 8
+        wide: dict[str, Any] = {}
+        for layer in self.layers:
+            if layer.wide is None:
+                continue
+            d, other = layer.dim(layer.wide), layer.dim("G" if layer.wide == "A" else "A")
+            held = self.eigen.get(layer.key)
+            part = None if held is None else held[0 if layer.wide == "A" else 1]
+            wide[layer.name] = {"factor": layer.wide, "width": d, "rank": layer.rank,
+                                "kept": part.kept if isinstance(part, (Structured, Blocked)) else None,
+                                "blocks": len(layer.blocks) if isinstance(part, Blocked) else 0,
+                                "memory_bytes": size * lowrank.memory_elements(d, other, self.cfg.rank,
+                                                                               self.cfg.oversample)}
+        return {"preconditioned": len(self.layers), "low_rank": wide}
 
     # -- the schedule of the work --------------------------------------------------------
     def captures(self, step: int) -> bool:
@@ -111,6 +171,9 @@ class KFAC(torch.optim.SGD):
 
     def _precondition(self) -> None:
         cfg = self.cfg
+        for key in list(self.pending):  # a forward has run: the blocks are known if they ever will be
+            layer = next(x for x in self.layers if x.key == key)
+            self._load_layer(layer, self.pending.pop(key))
         if self.captures(self.steps):
             self.update_factors()
         if self.decomposes(self.steps):
@@ -123,7 +186,14 @@ class KFAC(torch.optim.SGD):
             v = layer.grad_matrix()
             if eig is None or v is None:
                 continue
-            p = precondition(v, eig[0], eig[1], cfg.damping)
+            if layer.wide is None:
+                p = precondition(v, eig[0], eig[1], cfg.damping)  # type: ignore[arg-type]
+            else:
+                held, dense = (eig[0], eig[1]) if layer.wide == "A" else (eig[1], eig[0])
+                if isinstance(held, Blocked):
+                    p = lowrank.blocked_precondition(v, held, dense, self.cores[layer.key], cfg.damping)  # type: ignore[arg-type]
+                else:
+                    p = lowrank.precondition(v, layer.wide, held, dense, self.cores[layer.key], cfg.damping)  # type: ignore[arg-type]
             term = (p * v.to(p.dtype)).sum() * lr_of[id(layer.weight)] ** 2
             vg = term if vg is None else vg + term
             done.append((layer, p))
@@ -146,7 +216,7 @@ class KFAC(torch.optim.SGD):
         scale = 1.0
         if self.grad_scaler is not None and self.grad_scaler.is_enabled():
             scale = float(self.grad_scaler.get_scale())
-        new = reduce_factors(self.layers, self.cfg.factor_dtype.torch, self.grid, scale)
+        new = reduce_factors(self.layers, self.factor_dtype, self.grid, scale)
         decay = self.cfg.factor_decay
         for layer, fresh in zip(self.layers, new):
             if fresh is None:
@@ -157,29 +227,114 @@ class KFAC(torch.optim.SGD):
                 old[0] * decay + fresh[0] * (1 - decay), old[1] * decay + fresh[1] * (1 - decay))
 
     def update_eigen(self) -> None:
-        """Eigendecompose every factor, spread over the ranks (collective)."""
+        """Eigendecompose every dense factor and approximate every low-rank one, spread over
+        the ranks (collective); then each rank forms the low-rank factors' Woodbury cores."""
         have = [layer for layer in self.layers if layer.key in self.factors]
-        mats = [m for layer in have for m in self.factors[layer.key]]
-        if not mats:
+        if not have:
             return
+        cfg, idt = self.cfg, self.inverse_dtype
+        items = []
+        for layer in have:
+            for side, f in zip("AG", self.factors[layer.key]):
+                d = layer.dim(side)
+                if side == layer.wide:
+                    f = self._sketch(layer, f) if side == "A" else f
+                    om, m, r = layer.omega, f.shape[1] - 1, layer.rank
+                    items.append(Item(NYSTROM_FLOPS_PER_DM2 * d * m * m / EIGH_FLOPS_PER_DIM3,
+                                      lambda f=f, om=om, r=r: nystrom(f, om, r, cfg.rank_tol, idt).tensors(),
+                                      [(d, r), (r,), (d,)]))
+                else:
+                    items.append(Item(float(d) ** 3, lambda f=f: list(eigen(f, idt)), [(d, d), (d,)]))
         grid = self.grid
         world, rank = (grid.world_size, grid.rank) if grid is not None else (1, 0)
-        results = decompose(mats, self.cfg.inverse_dtype.torch, grid.world_group if grid is not None else None,
-                            world, rank)
-        self.eigen = {layer.key: (results[2 * i], results[2 * i + 1]) for i, layer in enumerate(have)}
+        results = spread(items, idt, have[0].weight.device, grid.world_group if grid is not None else None, world,
+                         rank)
+        # hierarchical factors: each diagonal block's residual past the coupling, one work item
+        # per block, spread over the ranks like the factors (the blocks in parallel)
+        blocks: list[Item] = []
+        for i, layer in enumerate(have):
+            if self._hierarchical(layer):
+                u, lam = results[2 * i][0], results[2 * i][1]
+                for b, gram in zip(layer.blocks, self._grams(layer, self.factors[layer.key][0])):  # type: ignore[arg-type]
+                    blocks.append(Item(float(len(b)) ** 3, lambda b=b, gram=gram, u=u, lam=lam: list(
+                        eigen(gram.to(idt) - (u[b] * lam) @ u[b].t(), idt)), [(len(b), len(b)), (len(b),)]))
+        done = spread(blocks, idt, have[0].weight.device, grid.world_group if grid is not None else None, world,
+                      rank) if blocks else []
+        self.eigen, self.cores = {}, {}
+        for i, layer in enumerate(have):
+            a, g = results[2 * i], results[2 * i + 1]
+            if self._hierarchical(layer):
+                mine, done = done[:len(layer.blocks)], done[len(layer.blocks):]  # type: ignore[arg-type]
+                a = [a[0], a[1], torch.cat([q.reshape(-1) for q, _ in mine]), torch.cat([e for _, e in mine])]
+            self._set_eigen(layer, a, g)
+        kept = [f"{layer.name} {self._held(layer).kept}/{layer.rank}" for layer in have if layer.wide is not None]
+        if kept:
+            log.info("kfac: step %d: low-rank factors keep ranks %s", self.steps, ", ".join(kept))
+
+    @staticmethod
+    def _hierarchical(layer: Layer) -> bool:
+        return layer.wide == "A" and layer.blocks is not None
+
+    def _sketch(self, layer: Layer, f: torch.Tensor) -> torch.Tensor:
+        """The running ``[A Omega | diag(A)]`` of a low-rank A (the head of a hierarchical one's)."""
+        if not self._hierarchical(layer):
+            return f
+        d, m = layer.dim_a, layer.omega.shape[1]  # type: ignore[union-attr]
+        return f[:d * (m + 1)].view(d, m + 1)
+
+    def _grams(self, layer: Layer, f: torch.Tensor) -> list[torch.Tensor]:
+        """The running diagonal blocks of a hierarchical A."""
+        offset = layer.dim_a * (layer.omega.shape[1] + 1)  # type: ignore[union-attr]
+        out = []
+        for b in layer.blocks:  # type: ignore[union-attr]
+            n = packed_size(len(b))
+            out.append(unpack(f[offset:offset + n], len(b)))
+            offset += n
+        return out
+
+    def _held(self, layer: Layer) -> Structured:
+        return self.eigen[layer.key][0 if layer.wide == "A" else 1]  # type: ignore[return-value]
+
+    def _set_eigen(self, layer: Layer, a: list[torch.Tensor], g: list[torch.Tensor]) -> None:
+        """Store one layer's decompositions (and, for a low-rank factor, form its cores)."""
+        xa: Eigen | Structured | Blocked
+        if self._hierarchical(layer):
+            sizes = [len(b) for b in layer.blocks]  # type: ignore[union-attr]
+            qs = list(torch.split(a[2], [n * n for n in sizes]))
+            xa = Blocked(a[0], a[1], layer.blocks, [q.view(n, n) for q, n in zip(qs, sizes)],  # type: ignore[arg-type]
+                         list(torch.split(a[3], sizes)))
+        else:
+            xa = Structured(*a) if layer.wide == "A" else (a[0], a[1])
+        xg: Eigen | Structured = Structured(*g) if layer.wide == "G" else (g[0], g[1])
+        self.eigen[layer.key] = (xa, xg)
+        if layer.wide is not None:
+            held, dense = (xa, xg) if layer.wide == "A" else (xg, xa)
+            if isinstance(held, Blocked):
+                self.cores[layer.key] = lowrank.blocked_cores(held, dense[1], self.cfg.damping)  # type: ignore[index]
+            else:
+                self.cores[layer.key] = lowrank.cores(held, dense[1], self.cfg.damping)  # type: ignore[arg-type,index]
 
     # -- state -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """SGD's state plus ``kfac``: the step counter and, per layer (keyed by the serial
         weight's name), factors ``A``, ``G`` and eigendecompositions ``QA``, ``lA``, ``QG``,
-        ``lG``: plain tensors and ints, the same on every rank and at every grid."""
+        ``lG``; a low-rank factor (say A) is its running sketch and diagonal ``A`` (d, m + 1)
+        and its form ``UA``, ``lA``, ``dA``. Plain tensors and ints, the same on every rank
+        and at every grid."""
         sd = super().state_dict()
         layers: dict[str, dict[str, torch.Tensor]] = {}
         for key, (a, g) in self.factors.items():
             entry = {"A": a, "G": g}
             if key in self.eigen:
-                (qa, la), (qg, lg) = self.eigen[key]
-                entry.update(QA=qa, lA=la, QG=qg, lG=lg)
+                for side, held in zip("AG", self.eigen[key]):
+                    if isinstance(held, Blocked):
+                        entry.update({f"U{side}": held.u, f"l{side}": held.lam,
+                                      f"Q{side}": torch.cat([q.reshape(-1) for q in held.q]),
+                                      f"e{side}": torch.cat(held.e)})
+                    elif isinstance(held, Structured):
+                        entry.update({f"U{side}": held.u, f"l{side}": held.lam, f"d{side}": held.d})
+                    else:
+                        entry.update({f"Q{side}": held[0], f"l{side}": held[1]})
             layers[key] = entry
         sd["kfac"] = {"steps": self.steps, "layers": layers}
         return sd
@@ -189,7 +344,7 @@ class KFAC(torch.optim.SGD):
         starts the factors afresh; layers no longer preconditioned are dropped (logged)."""
         kf = state_dict.get("kfac")
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "kfac"})
-        self.factors, self.eigen = {}, {}
+        self.factors, self.eigen, self.cores, self.pending = {}, {}, {}, {}
         if kf is None:
             log.warning("kfac: the optimiser state has no K-FAC part (an SGD checkpoint?): factors start afresh")
             self.steps = 0
@@ -201,24 +356,41 @@ class KFAC(torch.optim.SGD):
                 if layer is None:
                     log.warning("kfac: state for '%s' dropped: the layer is not preconditioned now", key)
                     continue
-                self._load_layer(layer, entry)
+                if layer.split is not None and layer.blocks is None:
+                    self.pending[key] = entry  # its shapes are known once a forward has shown the volume
+                else:
+                    self._load_layer(layer, entry)
         self.recorder.clear()
         self.recorder.arm(self.captures(self.steps))
 
     def _load_layer(self, layer: Layer, entry: dict[str, torch.Tensor]) -> None:
         device = layer.weight.device
-        want = {"A": (layer.dim_a,) * 2, "G": (layer.dim_g,) * 2, "QA": (layer.dim_a,) * 2, "lA": (layer.dim_a,),
-                "QG": (layer.dim_g,) * 2, "lG": (layer.dim_g,)}
+        want: dict[str, tuple[int, ...]] = {}
+        for side in "AG":
+            d = layer.dim(side)
+            want[side] = layer.shape(side)
+            if side == layer.wide and self._hierarchical(layer):
+                want.update({f"U{side}": (d, layer.rank), f"l{side}": (layer.rank,),
+                             f"Q{side}": (sum(len(b) ** 2 for b in layer.blocks),), f"e{side}": (d,)})  # type: ignore[union-attr]
+            elif side == layer.wide:
+                want.update({f"U{side}": (d, layer.rank), f"l{side}": (layer.rank,), f"d{side}": (d,)})
+            else:
+                want.update({f"Q{side}": (d, d), f"l{side}": (d,)})
         for name, t in entry.items():
             if name not in want or tuple(t.shape) != want[name]:
                 raise ValueError(f"kfac state of '{layer.key}': {name} has shape {tuple(t.shape)}, but the layer "
-                                 f"needs {want.get(name, 'no such entry')}")
-        fdt, idt = self.cfg.factor_dtype.torch, self.cfg.inverse_dtype.torch
+                                 f"needs {want.get(name, 'no such entry')}"
+                                 + (" (a low-rank factor: kfac.rank and kfac.oversample as saved)"
+                                    if layer.wide is not None else ""))
+        fdt, idt = self.factor_dtype, self.inverse_dtype
         self.factors[layer.key] = (entry["A"].to(device, fdt), entry["G"].to(device, fdt))
-        if all(k in entry for k in ("QA", "lA", "QG", "lG")):
-            self.eigen[layer.key] = ((entry["QA"].to(device, idt), entry["lA"].to(device, idt)),
-                                     (entry["QG"].to(device, idt), entry["lG"].to(device, idt)))
+        if all(k in entry for k in want):
+            parts = {side: [entry[k].to(device, idt) for k in want if k != side and k[1:] == side]
+                     for side in "AG"}
+            self._set_eigen(layer, parts["A"], parts["G"])
 
     def remove_hooks(self) -> None:
         """Detach from the model (its layers then run as without K-FAC)."""
         self.recorder.remove()
+        for h in self.flatten_hooks:
+            h.remove()

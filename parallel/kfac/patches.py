@@ -18,7 +18,7 @@ depth so that no more than ``chunk_bytes`` of patches are copied out at once.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -49,36 +49,52 @@ def patch_view(x: torch.Tensor, kernel: Sequence[int], stride: Sequence[int],
     return v[..., ::dilation[0], ::dilation[1], ::dilation[2]]
 
 
-def patch_gram(x: torch.Tensor, kernel: Sequence[int], stride: Sequence[int], dilation: Sequence[int],
-               bias: bool, dtype: torch.dtype, chunk_bytes: float) -> tuple[torch.Tensor, int]:
-    """``sum over patches of a a^T`` (a = patch, then 1 if ``bias``) and the number of patches.
+def patch_slabs(x: torch.Tensor, kernel: Sequence[int], stride: Sequence[int], dilation: Sequence[int],
+                dtype: torch.dtype, chunk_bytes: float) -> Iterator[torch.Tensor]:
+    """The patches of ``x`` in slabs of output depth: each a (offsets x channels, positions)
+    matrix, rows ordered (offset, channel), no more than ``chunk_bytes`` of them at once.
 
-    Rows of ``a`` are ordered (channel, kd, kh, kw), as ``weight.view(out, -1)`` orders them.
     The patches of a slab are copied one kernel offset at a time (a strided slice per
-    offset, which copies far faster than one permute of the 8-D patch view), laid out
-    (offset, channel) x positions; the product's rows and columns are then reordered to
-    (channel, offset), and the bias row is the patch sums, not a column of ones.
-    """
+    offset, which copies far faster than one permute of the 8-D patch view)."""
     v = patch_view(x, kernel, stride, dilation)
     n, c, depth, height, width = v.shape[:5]
     offsets = [(a, b, e) for a in range(v.shape[5]) for b in range(v.shape[6]) for e in range(v.shape[7])]
     k = len(offsets)
-    dim = c * k
-    gram = torch.zeros(dim + int(bias), dim + int(bias), dtype=dtype, device=x.device)
-    per_slab = max(1, n * height * width * dim * torch.finfo(dtype).bits // 8)
+    per_slab = max(1, n * height * width * c * k * torch.finfo(dtype).bits // 8)
     step = max(1, int(chunk_bytes // per_slab))
     for d0 in range(0, depth, step):
         d1 = min(depth, d0 + step)
         buf = torch.empty(k, c, n, d1 - d0, height, width, dtype=dtype, device=x.device)
         for i, (a, b, e) in enumerate(offsets):
             buf[i].copy_(v[:, :, d0:d1, :, :, a, b, e].transpose(0, 1))
-        rows = buf.view(dim, -1)
+        yield buf.view(c * k, -1)
+
+
+def patch_count(x: torch.Tensor, kernel: Sequence[int], stride: Sequence[int], dilation: Sequence[int]
+                ) -> tuple[int, int, int]:
+    """(channels, kernel offsets, patches) of the (padded) volume ``x``."""
+    v = patch_view(x, kernel, stride, dilation)
+    return v.shape[1], v.shape[5] * v.shape[6] * v.shape[7], v.shape[0] * v.shape[2] * v.shape[3] * v.shape[4]
+
+
+def patch_gram(x: torch.Tensor, kernel: Sequence[int], stride: Sequence[int], dilation: Sequence[int],
+               bias: bool, dtype: torch.dtype, chunk_bytes: float) -> tuple[torch.Tensor, int]:
+    """``sum over patches of a a^T`` (a = patch, then 1 if ``bias``) and the number of patches.
+
+    Rows of ``a`` are ordered (channel, kd, kh, kw), as ``weight.view(out, -1)`` orders them.
+    The slabs (``patch_slabs``) come laid out (offset, channel) x positions; the product's
+    rows and columns are then reordered to (channel, offset), and the bias row is the patch
+    sums, not a column of ones.
+    """
+    c, k, count = patch_count(x, kernel, stride, dilation)
+    dim = c * k
+    gram = torch.zeros(dim + int(bias), dim + int(bias), dtype=dtype, device=x.device)
+    for rows in patch_slabs(x, kernel, stride, dilation, dtype, chunk_bytes):
         gram[:dim, :dim] += (rows @ rows.t()).view(k, c, k, c).permute(1, 0, 3, 2).reshape(dim, dim)
         if bias:
             sums = rows.sum(1).view(k, c).t().reshape(dim)
             gram[:dim, dim] += sums
             gram[dim, :dim] += sums
-    count = n * depth * height * width
     if bias:
         gram[dim, dim] = count
     return gram, count

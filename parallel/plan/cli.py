@@ -170,3 +170,6 @@ def _kfac_lines(r: dict, cfg: object) -> None:
           f"{getattr(cfg, 'inverse_interval')} steps: {r['kfac_inverse_flops']:.3g} flops on the busiest rank")
     plain = r["kfac_plain_layers"]
     print(f"  {r['kfac_layers']} layers preconditioned; plain update: {', '.join(plain) if plain else 'none'}")
+    low = r.get("kfac_low_rank_layers")
+    if low:
+        print(f"  low rank plus diagonal (wider than kfac.max_factor_dim): {', '.join(low)}")

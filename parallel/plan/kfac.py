@@ -60,6 +60,8 @@ class KFACPlan:
         }
         return {"kfac_s": sum(parts.values()), **parts, "kfac_memory_bytes": c.memory_bytes,
                 "kfac_layers": len(c.layers), "kfac_plain_layers": [name for name, _ in c.skipped],
+                "kfac_low_rank_layers": [f"{x['name']} ({x['low_rank']} {max(x['dim_a'], x['dim_g'])} wide, rank "
+                                         f"{x['rank']})" for x in c.layers if x["low_rank"]],
                 "kfac_factor_allreduce_bytes": c.factor_allreduce_bytes, "kfac_factor_flops": c.factor_flops,
                 "kfac_inverse_flops": c.inverse_flops}
 

@@ -241,6 +241,9 @@ def _summary(job: Job, end: RunEnd) -> dict[str, Any]:
         "skipped_samples": int(round(data_mean(torch.tensor(float(p.skipped_samples), device=grid.device), grid)
                                      * grid.data_size)),
     }, per_rank(p.io, io_start, grid), p.samples)
+    report = getattr(job.train_step.optimizer, "report", None)
+    if callable(report):  # K-FAC: the layers preconditioned, the low-rank factors' ranks and memory
+        summary["kfac"] = report()
     if job.memory is not None:  # the budget and the prediction beside the peaks
         summary.update(job.memory.summary_fields(summary["peak_memory_bytes_per_rank"]))
     summary.update(step_time_fields(gather_per_rank(loop.times.session_means(), grid)))

@@ -38,8 +38,10 @@ def test_kfac_with_overlapped_halo_equals_serial(pools):
     pools.run(2, kfac_cases.check_steps, 4, kw, (), 0, "main", True, spatial=(2, 1, 1), timeout=300)
 
 
-def test_costs_count_the_bytes_a_step_reduces_and_broadcasts(pools):
-    for r in pools.run(4, kfac_cases.measured_traffic, kfac_cases.settings(), spatial=(2, 1, 1), timeout=300):
+@pytest.mark.parametrize("kw", [kfac_cases.settings(), kfac_cases.settings(max_factor_dim=20, rank=12, oversample=4)],
+                         ids=["dense", "low-rank"])
+def test_costs_count_the_bytes_a_step_reduces_and_broadcasts(pools, kw):
+    for r in pools.run(4, kfac_cases.measured_traffic, kw, spatial=(2, 1, 1), timeout=300):
         assert r["world"] == r["costs_world"] > 0
         assert r["spatial"] == r["costs_spatial"] > 0
         assert r["broadcast"] == r["costs_broadcast"] > 0
@@ -67,3 +69,28 @@ def test_eigendecompositions_spread_over_ranks_equal_local(pools):
     owners = pools.run(4, kfac_cases.decompose_matches, dims, spatial=(2, 2, 1), timeout=120)
     # Longest first to the least loaded: 40^3 -> 0, 33^3 -> 1, 21^3 -> 2, then 12^3, 7^3, 5^3 -> 3.
     assert all(o == [0, 3, 1, 3, 3, 2] for o in owners)
+
+
+LOW_RANK_GRIDS = [("spatial-2x1x1", 2, (2, 1, 1)), ("spatial-2x2x1", 4, (2, 2, 1)), ("data2-spatial-2x1x1", 4, (2, 1, 1))]
+# max_factor_dim 20 holds six of the seven layers' wide factor (A of the convolutions and of
+# the Flatten+Linear, G of the transposed conv) at rank 12 of 55..193, sketched from the
+# patches and rows of each rank's block; eigendecompositions at steps 0 and 2. The
+# hierarchical form: the Flatten+Linear's A (193: 3 channels x 4^3 + bias) as the 2x2x1
+# blocks of its input volume (48 features each) plus the bias, dense, and a rank-4 coupling.
+FORMS = {"diagonal": kfac_cases.settings(max_factor_dim=20, rank=12, oversample=4),
+         "hierarchical": kfac_cases.settings(max_factor_dim=20, rank=4, oversample=4, flat_blocks=[2, 2, 1])}
+
+
+@pytest.fixture(scope="module")
+def low_rank_serial():
+    return {form: kfac_cases.low_rank_serial(4, kw) for form, kw in FORMS.items()}
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("world,spatial", [g[1:] for g in LOW_RANK_GRIDS], ids=[g[0] for g in LOW_RANK_GRIDS])
+def test_low_rank_factors_equal_serial(pools, low_rank_serial, world, spatial, form):
+    serial = low_rank_serial[form]
+    assert len(serial["low_rank"]) == 6 and serial["low_rank"]["11"]["width"] == 193
+    assert serial["low_rank"]["11"]["blocks"] == (5 if form == "hierarchical" else 0)
+    for r in pools.run(world, kfac_cases.check_low_rank_steps, 4, FORMS[form], serial, spatial=spatial, timeout=300):
+        assert r["low_rank"] == serial["low_rank"] and r["worst"] <= kfac_cases.RTOL

@@ -235,3 +235,39 @@ def measured_traffic(grid: Any, kw: dict[str, Any]) -> dict[str, float]:
     costs = kfac_costs(serial, SHAPE, cfg, grid.spatial, grid.world_size)
     return {**seen, "costs_world": costs.factor_allreduce_bytes, "costs_spatial": costs.linear_allreduce_bytes,
             "costs_broadcast": costs.broadcast_bytes}
+
+
+def low_rank_serial(steps: int, kw: dict[str, Any], seed: int = 0) -> dict[str, Any]:
+    """The serial run of ``check_low_rank_steps`` in this process (no process group: a
+    serial optimiser inside a pool would all-reduce over the pool's world): weights and
+    KL scales after each step, and what it holds low rank."""
+    torch.manual_seed(seed)
+    serial = build()
+    opt = KFAC(serial, None, _config(kw, ()), lr=LR, momentum=MOMENTUM)
+    weights, nus = [], []
+    for x, y in _batches(steps, seed + 1):
+        nus.append(_parallel_step(serial, opt, None, x, y))
+        weights.append([p.detach().clone() for p in serial.parameters()])
+    return {"weights": weights, "nus": nus, "low_rank": opt.report()["low_rank"]}
+
+
+def check_low_rank_steps(grid: Any, steps: int, kw: dict[str, Any], serial: dict[str, Any], seed: int = 0
+                         ) -> dict[str, Any]:
+    """``steps`` K-FAC steps with low-rank factors at this grid equal the same optimiser's
+    serial steps (``low_rank_serial``), weights after each; returns the layers held low rank."""
+    torch.manual_seed(seed)
+    model = build()
+    pmodel = parallel.parallelize(model, grid)
+    opt = KFAC(pmodel, grid, _config(kw, ()), lr=LR, momentum=MOMENTUM)
+    worst = 0.0
+    for t, (x, y) in enumerate(_batches(steps, seed + 1)):
+        nu = _parallel_step(pmodel, opt, grid, x, y)
+        if abs(nu - serial["nus"][t]) > 1e-9 * serial["nus"][t]:
+            raise AssertionError(f"low rank, step {t}: KL scale {nu!r} != serial {serial['nus'][t]!r}")
+        for (name, p), q in zip(model.named_parameters(), serial["weights"][t]):
+            err = float((whole(p, p.detach()) - q).abs().max()) / max(float(q.abs().max()), 1e-12)
+            if not err <= RTOL:
+                raise AssertionError(f"low rank, step {t}: parameter {name}: max |grid - serial| / max |serial| = "
+                                     f"{err:.3e} > {RTOL:g}")
+            worst = max(worst, err)
+    return {"low_rank": opt.report()["low_rank"], "worst": worst}

@@ -31,7 +31,7 @@ def test_grid_of_one_rank_equals_reference():
 def _model_and_opt(**kw):
     torch.manual_seed(0)
     model = kfac_cases.build()
-    cfg = KFACConfig(**{**kfac_cases.settings(), **kw}, factor_dtype="float64", inverse_dtype="float64")
+    cfg = KFACConfig(**{**kfac_cases.settings(), "factor_dtype": "float64", "inverse_dtype": "float64", **kw})
     return model, KFAC(model, None, cfg, lr=0.1, momentum=0.9)
 
 
@@ -159,8 +159,12 @@ def test_linear_on_a_volume_is_refused_with_its_name():
     ({"factor_interval": 2, "inverse_interval": 3}, r"inverse_interval \(3\) must be a multiple of kfac.factor_interval \(2\)"),
     ({"factor_decay": 1.0}, r"factor_decay must be in \[0, 1\), got 1.0"),
     ({"kl_clip": -1.0}, "kl_clip must be >= 0"),
-    ({"inverse_dtype": "bfloat16"}, "inverse_dtype must be float32 or float64"),
+    ({"inverse_dtype": "bfloat16"}, "inverse_dtype must be float32, float64 or auto"),
     ({"factor_dtype": "int8"}, "kfac.factor_dtype must be one of"),
+    ({"wide_factors": "dense"}, "kfac.wide_factors must be one of lowrank, plain, got 'dense'"),
+    ({"rank": 0}, "kfac.rank must be >= 1 and kfac.oversample >= 0, got 0 and 16"),
+    ({"rank_tol": 1.0}, r"kfac.rank_tol must be in \[0, 1\), got 1.0"),
+    ({"flat_blocks": [2, 2]}, r"kfac.flat_blocks must be empty or three splits >= 1 \(D, H, W\), got \[2, 2\]"),
 ])
 def test_bad_settings_name_the_setting(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -171,11 +175,12 @@ def test_layer_choice_by_pattern_size_and_groups(caplog):
     model = nn.Sequential(nn.Conv3d(4, 4, 3, groups=2), nn.Conv3d(4, 8, 3), nn.Conv3d(8, 8, 1), nn.Flatten(),
                           nn.Linear(8, 2))
     with caplog.at_level(logging.INFO, logger="parallel.kfac"):
-        opt = KFAC(model, None, KFACConfig(exclude=["4"], max_factor_dim=100), lr=0.1)
+        opt = KFAC(model, None, KFACConfig(exclude=["4"], max_factor_dim=100, wide_factors="plain"), lr=0.1)
     assert [layer.name for layer in opt.layers] == ["2"]
     text = caplog.text
     assert "layer '0' takes the plain update (Conv3d: groups=2" in text
-    assert "layer '1' takes the plain update (Conv3d: factor A is 109 wide > kfac.max_factor_dim 100)" in text
+    assert ("layer '1' takes the plain update (Conv3d: factor A is 109 wide > kfac.max_factor_dim 100 "
+            "(kfac.wide_factors=plain))") in text
     assert "layer '4' takes the plain update (Linear: matched by kfac.exclude '4')" in text
     only = KFAC(model, None, KFACConfig(include=["1", "4"]), lr=0.1)
     assert [layer.name for layer in only.layers] == ["1", "4"]
@@ -246,7 +251,26 @@ def test_costs_match_the_optimiser_and_spread_the_inverses():
     cosmo = CosmoFlow(CosmoFlowConfig())
     one = kfac_costs(cosmo, (4, 4, 128, 128, 128), KFACConfig(), world_size=1)
     many = kfac_costs(cosmo, (4, 4, 128, 128, 128), KFACConfig(), spatial=(2, 1, 1), world_size=8)
-    assert any(name == "head.1" and "32769 wide" in why for name, why in one.skipped)
+    plain = kfac_costs(cosmo, (4, 4, 128, 128, 128), KFACConfig(wide_factors="plain"), world_size=1)
+    assert any(name == "head.1" and "32769 wide" in why for name, why in plain.skipped)
+    # by default the wide factors are held low rank: head.1's A (32769) and features.12's (6913)
+    wide = {c["name"]: (c["low_rank"], c["rank"]) for c in one.layers if c["low_rank"]}
+    assert wide == {"features.12": ("A", 128), "head.1": ("A", 128)} and not one.skipped
+    assert plain.memory_bytes < one.memory_bytes < plain.memory_bytes + 2**30  # linear: ~0.1 GB more
     assert one.inverse_flops == one.inverse_flops_total > many.inverse_flops
     assert many.factor_flops < one.factor_flops and many.linear_allreduce_bytes > 0
     assert one.per_step()["inverse_flops"] == one.inverse_flops / one.inverse_interval
+
+
+def test_auto_precision_follows_the_weights_and_explicit_settings_win():
+    # train.precision=fp64 builds float64 weights: K-FAC's factors and inverses follow them
+    # unless factor_dtype / inverse_dtype are set.
+    model, opt = _model_and_opt(factor_dtype="auto", inverse_dtype="auto")
+    assert (opt.factor_dtype, opt.inverse_dtype) == (torch.float64, torch.float64)
+    _step(model, opt, *_data(1))
+    assert all(t.dtype == torch.float64 for pair in opt.factors.values() for t in pair)
+    assert all(t.dtype == torch.float64 for pair in opt.eigen.values() for e in pair for t in e)
+    single = KFAC(kfac_cases.build().float(), None, KFACConfig(), lr=0.1)
+    assert (single.factor_dtype, single.inverse_dtype) == (torch.float32, torch.float32)
+    mixed = KFAC(kfac_cases.build(), None, KFACConfig(factor_dtype="float32"), lr=0.1)
+    assert (mixed.factor_dtype, mixed.inverse_dtype) == (torch.float32, torch.float64)

@@ -48,7 +48,7 @@ def test_kfac_settings_compose_from_the_command_line():
     (["optim.kfac.damping=0"], r"optim\.kfac\.damping must be > 0, got 0"),
     (["optim.kfac.inverse_interval=15"], r"optim\.kfac\.inverse_interval \(15\) must be a multiple of "
                                          r"kfac\.factor_interval \(10\)"),
-    (["optim.kfac.inverse_dtype=bfloat16"], r"optim\.kfac\.inverse_dtype must be float32 or float64"),
+    (["optim.kfac.inverse_dtype=bfloat16"], r"optim\.kfac\.inverse_dtype must be float32, float64 or auto"),
     (["optim.momentum_form=keras"], r"optim\.momentum_form=keras: optim\.name=kfac takes torch's SGD step"),
 ], ids=["damping", "intervals", "inverse-dtype", "keras-momentum"])
 def test_bad_kfac_settings_are_config_errors_naming_the_key(overrides, match):
@@ -137,7 +137,11 @@ def test_plan_adds_kfac_work_and_memory_to_the_step():
     assert costs.patch_bytes > 4 * 4 * 64**3 // 2 * 109
     assert with_kfac["kfac_inverse_s"] == pytest.approx(costs.inverse_flops / 20 / m.default_conv_flops)
     assert with_kfac["kfac_allreduce_s"] > 0 and with_kfac["kfac_broadcast_s"] > 0
-    assert with_kfac["kfac_plain_layers"] == ["features.12", "head.1"]  # A 6913 and 8193 wide > 4096
+    assert with_kfac["kfac_plain_layers"] == []  # A 6913 and 4097 wide > 4096: held low rank
+    assert with_kfac["kfac_low_rank_layers"] == ["features.12 (A 6913 wide, rank 128)", "head.1 (A 4097 wide, rank 128)"]
+    plain = predict(layers, m, 2, (2, 1, 1), Options(global_batch=8, kfac=KFACPlan(
+        model, (4, 64, 64, 64), KFACConfig(factor_interval=5, inverse_interval=20, wide_factors="plain"))))
+    assert plain["kfac_plain_layers"] == ["features.12", "head.1"]
 
 
 def test_plan_command_prints_kfac_share_and_refuses_bad_settings(capsys):
