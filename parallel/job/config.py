@@ -174,6 +174,12 @@ class TrainConfig:
     """Testing hook: at these (1-based) steps a NaN is put into one gradient after the sync,
     on some ranks only where a sharded weight allows (``parallel.train.step.inject_nonfinite``),
     to test that every rank takes the ``nonfinite`` decision alike. Empty in real runs."""
+    replica_check_every: int = 100
+    """Every this many steps, and before every checkpoint, compare a bit-exact digest of
+    every parameter and its optimiser state over the ranks holding copies of it (the data
+    replicas; for parameters not sharded in space, the spatial group too) and stop naming
+    the step, the tensor and the odd rank on a mismatch (``parallel.train.replicas``,
+    docs/failures.md); 0: off."""
 
 
 @dataclass

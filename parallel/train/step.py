@@ -122,6 +122,7 @@ class TrainStep:
         self.last_norm = 0.0  # the global gradient norm of the last step (before clipping)
         self.clipped = 0      # steps whose gradients were clipped
         self.cast = compute_dtype(train.precision)
+        self.after_sync: Callable[[int], None] | None = None  # test hook: a fault before the update
 
     def __call__(self, batch: Batch) -> torch.Tensor:
         """One step on this rank's ``batch``; the local loss (zero for a skipped update)."""
@@ -161,6 +162,8 @@ class TrainStep:
         params = list(self.pmodel.parameters())
         if self.progress.step + 1 in self.inject:
             inject_nonfinite(self.pmodel, self.grid)
+        if self.after_sync is not None:
+            self.after_sync(self.progress.step + 1)
         if self.scaler is not None:
             self.scaler.unscale_(params)
         norm, loss_f = read_host(global_grad_norm(params, self.grid), loss)

@@ -40,6 +40,8 @@ def validate_config(cfg: JobConfig) -> None:
         (cfg.train.max_steps >= 0, f"train.max_steps={cfg.train.max_steps}: want >= 0"),
         (cfg.train.profile >= 0, f"train.profile={cfg.train.profile}: want >= 0 (steps to trace; 0: off)"),
         (cfg.train.max_skipped_steps >= 0, f"train.max_skipped_steps={cfg.train.max_skipped_steps}: want >= 0"),
+        (cfg.train.replica_check_every >= 0,
+         f"train.replica_check_every={cfg.train.replica_check_every}: want >= 0 (0: off)"),
         (cfg.data.workers >= 0, f"data.workers={cfg.data.workers}: want >= 0"),
         (cfg.run.keep_checkpoints >= 1, f"run.keep_checkpoints={cfg.run.keep_checkpoints}: want >= 1"),
         (cfg.run.log_every >= 1, f"run.log_every={cfg.run.log_every}: want >= 1"),
