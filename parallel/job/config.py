@@ -180,6 +180,15 @@ class TrainConfig:
     replicas; for parameters not sharded in space, the spatial group too) and stop naming
     the step, the tensor and the odd rank on a mismatch (``parallel.train.replicas``,
     docs/failures.md); 0: off."""
+    replay: bool = False
+    """Replay a suspicious step once (a non-finite gradient norm, or a spike: see
+    ``spike_factor``) from the state before it with the same batch and RNG streams: the
+    same numbers mean the data or the model (the samples are named, ``nonfinite`` applies),
+    others a transient fault (the ranks are named, training goes on with the replayed step)
+    (``parallel.train.replay``, docs/failures.md). Not with K-FAC or fp16."""
+    spike_factor: float = 0.0
+    """With ``replay``: a step whose global gradient norm exceeds this many times its running
+    average is suspicious too (0: only non-finite steps)."""
 
 
 @dataclass

@@ -71,24 +71,27 @@ class NonFiniteGuard:
             x, y = x[keep], y[keep]
         return x, y
 
-    def finite_step(self, model: nn.Module, norm: float, loss: float) -> bool:
+    def finite_step(self, model: nn.Module, norm: float, loss: float, spike: str | None = None) -> bool:
         """Whether the step may update: ``norm`` is the global gradient norm
         (``parallel.train.gradnorm``: the same on every rank, so every rank decides alike).
 
-        Non-finite: raise ``NonFiniteError`` (``fail``, or too many in a row) or drop the
-        update and count it (``skip``).
+        Non-finite, or a ``spike`` (why the step is bad although finite: a replayed step's
+        verdict, ``parallel.train.replay``): raise ``NonFiniteError`` (``fail``, or too many
+        in a row) or drop the update and count it (``skip``).
         """
         step = self.progress.step + 1
-        if math.isfinite(norm):
+        if math.isfinite(norm) and spike is None:
             self.bad_in_a_row = 0
             if not math.isfinite(loss):
                 log.warning("step %d: the loss is %s on this rank but the gradients are finite", step, loss)
             return True
-        # the first parameter whose gradient is non-finite on this rank (messages only)
-        bad = next((n for n, p in model.named_parameters()
-                    if p.grad is not None and not bool(torch.isfinite(p.grad).all())), "?")
-        what = (f"step {step}: non-finite gradients (norm {norm}, first in '{bad}'; "
-                f"loss {loss:.6g} on this data group)")
+        if spike is not None:
+            what = f"step {step}: {spike}"
+        else:  # the first parameter whose gradient is non-finite on this rank (messages only)
+            bad = next((n for n, p in model.named_parameters()
+                        if p.grad is not None and not bool(torch.isfinite(p.grad).all())), "?")
+            what = (f"step {step}: non-finite gradients (norm {norm}, first in '{bad}'; "
+                    f"loss {loss:.6g} on this data group)")
         if self.policy == "fail":
             raise NonFiniteError(f"{what}; stopping (train.nonfinite=fail): {self.last_good()}. Resume with a lower "
                                  "optim.lr or train.grad_clip, or set train.nonfinite=skip")
@@ -123,6 +126,9 @@ class TrainStep:
         self.clipped = 0      # steps whose gradients were clipped
         self.cast = compute_dtype(train.precision)
         self.after_sync: Callable[[int], None] | None = None  # test hook: a fault before the update
+        # a judge of the step before its update (parallel.train.replay): may abort the step or
+        # say why it is bad although finite
+        self.suspect: Callable[[float, float], str | None] | None = None
 
     def __call__(self, batch: Batch) -> torch.Tensor:
         """One step on this rank's ``batch``; the local loss (zero for a skipped update)."""
@@ -168,6 +174,7 @@ class TrainStep:
             self.scaler.unscale_(params)
         norm, loss_f = read_host(global_grad_norm(params, self.grid), loss)
         self.last_norm = norm
+        spike = self.suspect(norm, loss_f) if self.suspect is not None else None
         if self.scaler is not None:
             finite = math.isfinite(norm)
             if not finite:
@@ -175,7 +182,7 @@ class TrainStep:
                          self.progress.step + 1, norm, self.scaler.get_scale(),
                          self.scaler.get_scale() * self.scaler.backoff_factor)
         else:
-            finite = self.guard.finite_step(self.model, norm, loss_f)
+            finite = self.guard.finite_step(self.model, norm, loss_f, spike)
         if finite:
             factor = clip_coefficient(norm, self.train.grad_clip)
             if factor < 1.0:

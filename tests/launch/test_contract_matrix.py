@@ -7,7 +7,8 @@ at four grids: serial, spatial 2x1x1, 2x2x1 and data 2 x spatial 2x1x1 (4 ranks)
 float32-noise-sized amount (per-rank gradient clipping, as an earlier version clipped: 1e-2 here) fails.
 Low precision (bf16 autocast, fp16 with the loss scaler) cannot run at fp64: see the
 last lines; fp16 also compares the loss scale every grid ended with (the skip decision
-is global).
+is global). Every run also compares every copy of its parameters and optimiser state at
+every step (``train.replica_check_every=1``): copies that drift apart fail the case.
 
 | composite | options on |
 |---|---|
@@ -46,7 +47,10 @@ GRIDS = {"serial": (1, "[1,1,1]"), "s2": (2, "[2,1,1]"), "s2x2": (4, "[2,2,1]"),
 
 COMMON = ["--config-name", "quickstart", "train.max_steps=4", "train.seed=3", "train.eval_every=0",
           "run.progress=false", "run.tensorboard=false", "run.log_rank=-3", "mlperf.enabled=false",
-          "sched.warmup_epochs=0", "optim.lr=0.05"]
+          "sched.warmup_epochs=0", "optim.lr=0.05",
+          # every copy of every parameter and its optimiser state compared at every step: a false
+          # alarm (replicas that drift by construction) fails the case (parallel.train.replicas)
+          "train.replica_check_every=1"]
 
 
 
@@ -143,6 +147,9 @@ def _summary(run: Path) -> dict:
 def _exact(case: str, data: dict[str, Path], root: Path) -> dict[str, Path]:
     """Run ``case`` at the four grids; assert the split runs end at serial's weights to 1e-9."""
     runs = {g: _run(case, g, data, root) for g in GRIDS}
+    for grid, run in runs.items():  # the check ran after every step of the (last) session
+        checks = _summary(run)["replica_checks"]
+        assert checks["every"] == 1 and checks["count"] >= 2, (grid, checks)
     for grid in ("s2", "s2x2", "d2s2"):
         ref = "serial"
         a, b = weights(runs[ref]), weights(runs[grid])
