@@ -240,8 +240,7 @@ def _summary(job: Job, end: RunEnd) -> dict[str, Any]:
         "session": session, "run_dir": cfg.run.dir, "checkpoints": saver.writer.costs(),
         "last_eval_step": loop.last_eval_step, "skipped_steps": p.skipped_steps,
         "replica_checks": job.replicas.costs() if job.replicas is not None else None,
-        "replayed_steps": ({"transient": job.replay.transient, "persistent": job.replay.persistent}
-                           if job.replay is not None else None),
+        "replayed_steps": job.replay.costs() if job.replay is not None else None,
         "conv_paths": conv_paths(job.pmodel),  # how the split convolutions ran (parallel.conv_path)
         "channels_last": job.channels_last,  # the activations' layout (parallel.channels_last)
         "clipped_steps": job.train_step.clipped,  # this session's steps whose gradients were clipped

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import Any
 
 import torch
@@ -68,10 +69,15 @@ class Replay:
         self.replaying = False
         self.transient = 0  # steps replayed to other numbers this session
         self.persistent = 0
+        self.steps = 0
+        self.seconds = 0.0  # what watching cost the steps (the copies and the gather), replays aside
         step.suspect = self._judge
 
     def __call__(self, batch: Batch) -> torch.Tensor:
+        t0 = time.perf_counter()
         saved = self._save()
+        self.seconds += time.perf_counter() - t0
+        self.steps += 1
         self.replaying, self.first = False, None
         try:
             return self.step(batch)
@@ -112,7 +118,9 @@ class Replay:
     def _judge(self, norm: float, loss: float) -> str | None:
         """Before the update of the step: abandon it (first run, suspicious), or, after its
         replay, say what it was (None: go on as usual; a reason: a bad finite step)."""
+        t0 = time.perf_counter()
         table = self._gather(norm, loss, self._suspicious(norm))
+        self.seconds += time.perf_counter() - t0
         step = self.progress.step + 1
         if not self.replaying:
             if any(r[2] for r in table):
@@ -142,6 +150,11 @@ class Replay:
             return (f"gradient norm {table[0][0]:.6g} above train.spike_factor={self.spike_factor:g} x its running "
                     f"average {self.average:.6g}, the same when replayed (samples {samples})")
         return None  # non-finite: the guard says so
+
+    def costs(self) -> dict[str, Any]:
+        """The summary's ``replayed_steps``: the verdicts, and what watching cost each step."""
+        return {"transient": self.transient, "persistent": self.persistent,
+                "seconds_each_step": self.seconds / max(self.steps, 1)}
 
     def _average(self, table: list[list[float]]) -> None:
         norm = max(r[0] for r in table)  # the same on every rank (every rank gathered the same)
