@@ -1,0 +1,123 @@
+"""Jobs across hosts with their own addresses, and links that fail under them.
+
+The hosts are network namespaces on a bridge (``tests/support/netns_hosts.py``: each its
+own address, 10.77.0.x, and hostname, ``host1``...). A torchrun job with a c10d
+rendezvous on host1's address runs one rank per host, its spatial group (2x1x1) split
+across the link, so every halo exchange and gradient all-reduce crosses it.
+
+- The link of host2 taken down mid-run (a pulled cable: nothing is told, packets vanish):
+  host1's rank names rank 1 on host2 as silent, host2's rank names the store on host1 it
+  lost, both launchers end within the timeout, no process is left on either host, and the
+  last checkpoint is intact. TCP on the hosts gives up on an unanswered peer after a few
+  retransmissions (``net.ipv4.tcp_retries2=5``, set per host): torchrun's agent on the
+  cut-off host otherwise waits in a store call until TCP's default (about 15 minutes).
+- A slow and lossy link (host2 sends at 1 Mbit/s, ``tc tbf``, and what overflows 50 ms of
+  queue is dropped and retransmitted; this machine's kernel has no ``tc netem``): the job
+  finishes with the weights of the same job on one host, bit for bit, and its step-time
+  breakdown puts the time lost in the communication.
+
+Root only (network namespaces); the suite runs as root here.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import netns_hosts
+from parallel.job import checkpoint
+from train_helpers import REPO, env, launch, prepare, weights
+
+TIMEOUT_S = 10  # parallel.timeout_s: a silent peer is declared dead after this
+TINY = ["--config-name", "quickstart", "train.global_batch_size=4", "model.conv_filters=4", "model.n_conv_blocks=2",
+        "model.dense_sizes=[16]", "model.input_shift=3.8", "model.input_scale=2.0", "optim.lr=0.02",
+        "model.dropout=0.0", "run.progress=false", "run.tensorboard=false", "train.eval_every=0",
+        "train.eval_at_end=false", "data.workers=0", "mlperf.enabled=false", "parallel.spatial=[2,1,1]",
+        "run.log_rank=-1", f"parallel.timeout_s={TIMEOUT_S}", "run.checkpoint_every=2"]
+
+pytestmark = pytest.mark.skipif(netns_hosts.available() is not None, reason=str(netns_hosts.available()))
+
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return prepare("cosmoflow", tmp_path_factory.mktemp("cosmo16"), 16, 16, 4)  # test_fail_checkpoint's set
+
+
+
+def _start(hs, args, logs: Path) -> list[subprocess.Popen]:
+    """torchrun on every host, one rank each, the rendezvous on host1's address."""
+    procs = []
+    for i, h in enumerate(hs):
+        e = env()
+        e["GLOO_SOCKET_IFNAME"] = h.dev  # gloo's connections on the host's own link
+        cmd = [str(Path(sys.executable).parent / "torchrun"), f"--nnodes={len(hs)}", "--nproc-per-node=1",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint={hs[0].addr}:29400", "--rdzv-id=netns",
+               f"--local-addr={h.addr}", "--max-restarts=0", "--rdzv-conf=read_timeout=10",
+               "-m", "cosmoflow.train", *args]
+        out = open(logs / f"{h.name}.log", "w")  # noqa: SIM115 - closed with the process
+        procs.append(h.popen(cmd, env=e, cwd=REPO, stdout=out, stderr=subprocess.STDOUT))
+    return procs
+
+
+
+def _wait(procs, timeout_s: float) -> list[int | None]:
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    return [p.poll() for p in procs]
+
+
+
+def test_a_link_taken_down_mid_run_ends_the_job_naming_the_host(data, tmp_path):
+    run = tmp_path / "run"
+    with netns_hosts.hosts(2) as hs:
+        for h in hs:
+            h.sysctl("net.ipv4.tcp_retries2", "5")
+        procs = _start(hs, [*TINY, f"data.dir={data}", "train.max_steps=400", f"run.dir={run}"], tmp_path)
+        deadline = time.monotonic() + 120
+        while not (run / "checkpoints" / "last.pt").exists() and time.monotonic() < deadline:
+            assert all(p.poll() is None for p in procs), "a launcher ended before the link went down"
+            time.sleep(0.2)
+        hs[1].link_down()
+        cut = time.monotonic()
+        codes = _wait(procs, 6 * TIMEOUT_S)
+        ended_s = time.monotonic() - cut
+        left = {h.name: h.pids() for h in hs}
+    logs = {h.name: (tmp_path / f"{h.name}.log").read_text(errors="replace") for h in hs}
+    assert codes == [1, 1], (codes, logs["host1"][-3000:], logs["host2"][-3000:])
+    assert left == {"host1": [], "host2": []}, f"processes left {ended_s:.0f} s after the cut: {left}"
+    table = json.loads((run / "ranks.json").read_text())
+    assert [(r["rank"], r["host"]) for r in table] == [(0, "host1"), (1, "host2")]
+    pid1 = table[1]["pid"]
+    assert f"rank 0: stopping: rank 1 (process {pid1} on host2) sent no heartbeat for" in logs["host1"], \
+        logs["host1"][-3000:]
+    assert f"rank 1: stopping: lost the job's store at {hs[0].addr}:" in logs["host2"], logs["host2"][-3000:]
+    ckpt = checkpoint.load(run / "checkpoints" / "last.pt")  # the last one whole, from agreeing replicas
+    assert ckpt["step"] >= 2 and ckpt["replicas"]["agree"] is True
+
+
+
+def test_a_slow_lossy_link_changes_no_weight_and_shows_in_the_step_times(data, tmp_path):
+    args = [*TINY, f"data.dir={data}", "train.max_steps=6"]
+    with netns_hosts.hosts(2) as hs:
+        hs[1].slow("1mbit", queue="50ms")
+        procs = _start(hs, [*args, f"run.dir={tmp_path / 'slow'}"], tmp_path)
+        codes = _wait(procs, 240)
+    assert codes == [0, 0], [(tmp_path / f"{h}.log").read_text(errors="replace")[-2000:] for h in ("host1", "host2")]
+    launch("cosmoflow", 2, [*args, f"run.dir={tmp_path / 'local'}"], timeout=120)
+    a, b = weights(tmp_path / "slow"), weights(tmp_path / "local")
+    assert all(torch.equal(a[k], b[k]) for k in a), "the slow link changed the weights"
+    slow = json.loads((tmp_path / "slow" / "summary.json").read_text())["step_time"]["mean"]
+    local = json.loads((tmp_path / "local" / "summary.json").read_text())["step_time"]["mean"]
+    waited = slow["halo_exchange_s"] + slow["grad_allreduce_s"] - local["halo_exchange_s"] - local["grad_allreduce_s"]
+    # host2's share of a step's messages (halos, the gradients' all-reduce: tens of kB) at 1 Mbit/s
+    assert waited > 0.05 and waited > 0.5 * (slow["step_s"] - local["step_s"]), (slow, local)
