@@ -117,6 +117,10 @@ NIGHTLY = {
         "launch/test_hosts_netns.py::test_a_link_taken_down_mid_run_ends_the_job_naming_the_host (the same job, "
         "spatial 2x1x1 across the two hosts' link); that timing never changes the numbers: "
         "launch/test_contract_matrix.py (every grid ends at serial's weights)",
+    "launch/test_hosts_netns.py::test_mpirun_across_hosts_equals_one_host_and_a_cut_link_ends_it":
+        "launch/test_hosts_netns.py::test_a_link_taken_down_mid_run_ends_the_job_naming_the_host (a job across the "
+        "hosts, its link cut: the same watchdog messages) and launch/test_launchers.py::"
+        "test_each_launcher_at_4_ranks_equals_plain_python (mpirun's job equals plain python's)",
 }
 
 

@@ -15,6 +15,11 @@ across the link, so every halo exchange and gradient all-reduce crosses it.
   queue is dropped and retransmitted; this machine's kernel has no ``tc netem``): the job
   finishes with the weights of the same job on one host, bit for bit, and its step-time
   breakdown puts the time lost in the communication.
+- mpirun across the hosts (nightly): hydra reaches each host through an ssh stand-in
+  (``netns_hosts.ssh_standin``), the job ends with the one-host weights bit for bit, and
+  a cut link ends it naming rank 1 on host2, nothing left behind (the stand-in keeps each
+  host's proxy a child of mpirun on this machine, so mpirun's cleanup reaches it; with a
+  real ssh the cut-off host's proxy would wait for its own connection to fail).
 
 Root only (network namespaces); the suite runs as root here.
 """
@@ -121,3 +126,38 @@ def test_a_slow_lossy_link_changes_no_weight_and_shows_in_the_step_times(data, t
     waited = slow["halo_exchange_s"] + slow["grad_allreduce_s"] - local["halo_exchange_s"] - local["grad_allreduce_s"]
     # host2's share of a step's messages (halos, the gradients' all-reduce: tens of kB) at 1 Mbit/s
     assert waited > 0.05 and waited > 0.5 * (slow["step_s"] - local["step_s"]), (slow, local)
+
+
+
+def test_mpirun_across_hosts_equals_one_host_and_a_cut_link_ends_it(data, tmp_path):
+    # hydra's proxies reach the hosts through netns_hosts.ssh_standin (-launcher ssh -launcher-exec);
+    # the ranks' MPI (mpi4py's rendezvous) and gloo cross the bridge
+    def mpirun(hs, args):
+        ssh = netns_hosts.ssh_standin(hs, str(tmp_path))
+        cmd = [str(Path(sys.executable).parent / "mpirun"), "-launcher", "ssh", "-launcher-exec", ssh,
+               "-localhost", hs[0].name, "-hosts", ",".join(h.name for h in hs), "-n", str(len(hs)), "-ppn", "1",
+               "-genv", "GLOO_SOCKET_IFNAME", "eth0", sys.executable, "-m", "cosmoflow.train", *args]
+        return hs[0].popen(cmd, env=env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    args = [*TINY, f"data.dir={data}"]
+    with netns_hosts.hosts(2) as hs:
+        out, _ = mpirun(hs, [*args, "train.max_steps=4", f"run.dir={tmp_path / 'mpi'}"]).communicate(timeout=180)
+        for h in hs:
+            h.sysctl("net.ipv4.tcp_retries2", "5")
+        run = tmp_path / "cut"
+        proc = mpirun(hs, [*args, "train.max_steps=400", f"run.dir={run}"])
+        deadline = time.monotonic() + 120
+        while not (run / "checkpoints" / "last.pt").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        hs[1].link_down()
+        cut_out, _ = proc.communicate(timeout=6 * TIMEOUT_S)
+        time.sleep(2)  # the node monitor's last look
+        left = {h.name: h.pids() for h in hs}
+    table = json.loads((tmp_path / "mpi" / "ranks.json").read_text())
+    assert [(r["rank"], r["host"]) for r in table] == [(0, "host1"), (1, "host2")], out[-3000:]
+    launch("cosmoflow", 2, [*args, "train.max_steps=4", f"run.dir={tmp_path / 'local'}"], timeout=120)
+    a, b = weights(tmp_path / "mpi"), weights(tmp_path / "local")
+    assert all(torch.equal(a[k], b[k]) for k in a), "mpirun across hosts changed the weights"
+    assert proc.returncode != 0 and left == {"host1": [], "host2": []}, (proc.returncode, left, cut_out[-3000:])
+    pid1 = json.loads((run / "ranks.json").read_text())[1]["pid"]
+    assert f"rank 0: stopping: rank 1 (process {pid1} on host2) sent no heartbeat for" in cut_out, cut_out[-3000:]

@@ -57,7 +57,8 @@ def available() -> str | None:
 
 @dataclass
 class Host:
-    """One host: its namespace, hostname, address and link (``veth`` inside it)."""
+    """One host: its namespace, hostname, address and link (``eth0`` on every host, as on
+    identical nodes: one ``GLOO_SOCKET_IFNAME`` serves every rank)."""
 
     ns: str
     name: str
@@ -106,6 +107,31 @@ class Host:
         return [int(p) for p in out if p.isdigit()]
 
 
+SSH_STANDIN = """#!/bin/sh
+# ssh's stand-in for mpirun's launcher (-launcher ssh -launcher-exec THIS): hydra calls
+# THIS -x HOST "COMMAND"; COMMAND runs on HOST (its namespace, hostname and /etc/hosts)
+[ "$1" = "-x" ] && shift
+host="$1"; shift
+case "$host" in
+{cases}
+  *) echo "no host $host here" >&2; exit 255 ;;
+esac
+exec ip netns exec "$ns" unshare --uts --mount sh -c \
+  'hostname "$0" && mount --bind {hosts_file} /etc/hosts && exec sh -c "$1"' "$host" "$*"
+"""
+
+
+def ssh_standin(hs: Sequence[Host], folder: str) -> str:
+    """A script that mpirun's hydra can use as its ssh (``-launcher ssh -launcher-exec``):
+    it starts hydra's proxy on the named host. Its path."""
+    cases = "\n".join(f"  {h.name}|{h.addr}) ns={h.ns} ;;" for h in hs)
+    path = os.path.join(folder, "ssh")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(SSH_STANDIN.format(cases=cases, hosts_file=hs[0].hosts_file))
+    os.chmod(path, 0o755)
+    return path
+
+
 def _kill_all(hs: Sequence[Host]) -> None:
     for sig in (signal.SIGTERM, signal.SIGKILL):
         pids = [p for h in hs for p in h.pids()]
@@ -134,7 +160,7 @@ def hosts(n: int) -> Iterator[list[Host]]:
         _ip("-n", switch, "link", "add", "br0", "type", "bridge")
         _ip("-n", switch, "link", "set", "br0", "up")
         for i in range(n):
-            h = Host(ns=f"{tag}-h{i + 1}", name=f"host{i + 1}", addr=f"{SUBNET}.{i + 1}", dev=f"eth{i + 1}",
+            h = Host(ns=f"{tag}-h{i + 1}", name=f"host{i + 1}", addr=f"{SUBNET}.{i + 1}", dev="eth0",
                      port=f"p{i + 1}", switch=switch, hosts_file=hosts_file)
             _ip("netns", "add", h.ns)
             made.append(h.ns)
