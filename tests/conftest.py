@@ -121,6 +121,10 @@ NIGHTLY = {
         "launch/test_hosts_netns.py::test_a_link_taken_down_mid_run_ends_the_job_naming_the_host (a job across the "
         "hosts, its link cut: the same watchdog messages) and launch/test_launchers.py::"
         "test_each_launcher_at_4_ranks_equals_plain_python (mpirun's job equals plain python's)",
+    "launch/test_hosts_netns.py::test_elastic_survivors_go_on_after_a_link_is_cut":
+        "launch/test_elastic.py::test_a_node_dies_and_the_job_finishes_on_the_survivors (the survivors re-grid, "
+        "resume and finish) and launch/test_hosts_netns.py::test_a_link_taken_down_mid_run_ends_the_job_naming_the_host "
+        "(a cut link ends the session on both sides)",
 }
 
 

@@ -15,6 +15,8 @@ across the link, so every halo exchange and gradient all-reduce crosses it.
   queue is dropped and retransmitted; this machine's kernel has no ``tc netem``): the job
   finishes with the weights of the same job on one host, bit for bit, and its step-time
   breakdown puts the time lost in the communication.
+- an elastic job on three hosts whose third is cut off (nightly): the survivors restart
+  without it (data 3 -> 2, accumulation 2), resume from the last checkpoint and finish.
 - mpirun across the hosts (nightly): hydra reaches each host through an ssh stand-in
   (``netns_hosts.ssh_standin``), the job ends with the one-host weights bit for bit, and
   a cut link ends it naming rank 1 on host2, nothing left behind (the stand-in keeps each
@@ -161,3 +163,40 @@ def test_mpirun_across_hosts_equals_one_host_and_a_cut_link_ends_it(data, tmp_pa
     assert proc.returncode != 0 and left == {"host1": [], "host2": []}, (proc.returncode, left, cut_out[-3000:])
     pid1 = json.loads((run / "ranks.json").read_text())[1]["pid"]
     assert f"rank 0: stopping: rank 1 (process {pid1} on host2) sent no heartbeat for" in cut_out, cut_out[-3000:]
+
+
+
+def test_elastic_survivors_go_on_after_a_link_is_cut(data, tmp_path):
+    # three hosts, data 3; host3's link cut: host1 and host2 restart without it (data 2,
+    # accumulation 2 keeps the global batch of 12), resume from the last checkpoint, finish.
+    # parallel.timeout_s=30: a restarted worker may start 10-20 s after its peer on this machine.
+    run = tmp_path / "run"
+    args = [a for a in TINY if not a.startswith(("parallel.spatial", "parallel.timeout_s"))]
+    args += ["parallel.spatial=[1,1,1]", "parallel.timeout_s=30", "train.global_batch_size=12", "train.epochs=100",
+             "train.max_steps=40", f"data.dir={data}", f"run.dir={run}"]
+    with netns_hosts.hosts(3) as hs:
+        for h in hs:
+            h.sysctl("net.ipv4.tcp_retries2", "5")
+        procs = []
+        for h in hs:
+            e = env()
+            e["GLOO_SOCKET_IFNAME"] = h.dev
+            cmd = [str(Path(sys.executable).parent / "torchrun"), "--nnodes=2:3", "--nproc-per-node=1",
+                   "--rdzv-backend=c10d", f"--rdzv-endpoint={hs[0].addr}:29400", "--rdzv-id=elastic",
+                   f"--local-addr={h.addr}", "--max-restarts=2", "--rdzv-conf=read_timeout=10,last_call_timeout=5",
+                   "-m", "cosmoflow.train", *args]
+            out = open(tmp_path / f"{h.name}.log", "w")  # noqa: SIM115 - closed with the process
+            procs.append(h.popen(cmd, env=e, cwd=REPO, stdout=out, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 120
+        while not (run / "checkpoints" / "last.pt").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        hs[2].link_down()
+        codes = _wait(procs, 240)
+        left = {h.name: h.pids() for h in hs}
+    logs = {h: (tmp_path / f"{h}.log").read_text(errors="replace") for h in ("host1", "host2", "host3")}
+    assert codes[:2] == [0, 0] and codes[2] not in (0, None), (codes, logs["host1"][-3000:])
+    assert left == {"host1": [], "host2": [], "host3": []}, left
+    sessions = json.loads((run / "elastic.json").read_text())["sessions"]
+    assert [(s["world_size"], s["data"], s["accum_steps"]) for s in sessions] == [(3, 3, 1), (2, 2, 2)], sessions
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "max_steps" and summary["steps"] == 40 and summary["session"]["first_step"] > 0
