@@ -125,6 +125,10 @@ NIGHTLY = {
         "launch/test_elastic.py::test_a_node_dies_and_the_job_finishes_on_the_survivors (the survivors re-grid, "
         "resume and finish) and launch/test_hosts_netns.py::test_a_link_taken_down_mid_run_ends_the_job_naming_the_host "
         "(a cut link ends the session on both sides)",
+    "launch/test_hosts_netns.py::test_srun_across_hosts_equals_one_host_and_a_cut_link_ends_it":
+        "launch/test_slurm_real.py (srun and sbatch on the real Slurm's two nodes) and "
+        "launch/test_hosts_netns.py::test_a_link_taken_down_mid_run_ends_the_job_naming_the_host (a job across the "
+        "hosts, its link cut: the same watchdog messages)",
 }
 
 

@@ -22,6 +22,10 @@ across the link, so every halo exchange and gradient all-reduce crosses it.
   a cut link ends it naming rank 1 on host2, nothing left behind (the stand-in keeps each
   host's proxy a child of mpirun on this machine, so mpirun's cleanup reaches it; with a
   real ssh the cut-off host's proxy would wait for its own connection to fail).
+- srun across the hosts (nightly): the real Slurm with node n1 on host1 and n2 on host2
+  (``tests/support/netns_slurm.py``); the same weights as on one host, and a cut link ends
+  the step (rank 0 names rank 1 on host2 within the timeout; Slurm itself reports ``Node
+  failure on n2``), no training process left.
 
 Root only (network namespaces); the suite runs as root here.
 """
@@ -200,3 +204,58 @@ def test_elastic_survivors_go_on_after_a_link_is_cut(data, tmp_path):
     assert [(s["world_size"], s["data"], s["accum_steps"]) for s in sessions] == [(3, 3, 1), (2, 2, 2)], sessions
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "max_steps" and summary["steps"] == 40 and summary["session"]["first_step"] > 0
+
+
+
+def _training(hs) -> list[tuple[str, int]]:
+    """The training processes still running on the hosts (the Slurm daemons aside)."""
+    found = []
+    for h in hs:
+        for pid in h.pids():
+            try:
+                if "cosmoflow.train" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"):
+                    found.append((h.name, pid))
+            except OSError:
+                pass
+    return found
+
+
+
+def test_srun_across_hosts_equals_one_host_and_a_cut_link_ends_it(data, tmp_path):
+    # the real Slurm (tests/support/slurm_cluster.py) with node n1 on host1 and n2 on host2
+    # (NodeAddr: the hosts' addresses); srun runs on host1, one task per node
+    import netns_slurm
+
+    args = [*TINY, f"data.dir={data}"]
+    srun = ["srun", "-N", "2", "-n", "2", "--ntasks-per-node=1", sys.executable, "-m", "cosmoflow.train", *args]
+    with netns_hosts.hosts(2) as hs:
+        for h in hs:
+            h.sysctl("net.ipv4.tcp_retries2", "5")
+        cluster = netns_slurm.HostsSlurm(tmp_path / "slurm", hs).start()
+        try:
+            e = dict(cluster.env, **{k: v for k, v in env().items() if k in ("PYTHONPATH", "OMP_NUM_THREADS")})
+            whole = cluster.run([*srun, "train.max_steps=4", f"run.dir={tmp_path / 'srun'}"], env=e, cwd=REPO,
+                                timeout=180)
+            run = tmp_path / "cut"
+            proc = subprocess.Popen(hs[0].command([*srun, "train.max_steps=400", f"run.dir={run}"]), env=e, cwd=REPO,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            deadline = time.monotonic() + 120
+            while not (run / "checkpoints" / "last.pt").exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            hs[1].link_down()
+            cut_out, _ = proc.communicate(timeout=180)  # Slurm's own node-failure detection: about 80 s here
+            deadline = time.monotonic() + 60
+            while _training(hs) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            left = _training(hs)
+        finally:
+            cluster.stop()
+    table = json.loads((tmp_path / "srun" / "ranks.json").read_text())
+    assert [(r["rank"], r["host"]) for r in table] == [(0, "host1"), (1, "host2")], whole.stdout[-3000:]
+    launch("cosmoflow", 2, [*args, "train.max_steps=4", f"run.dir={tmp_path / 'local'}"], timeout=120)
+    a, b = weights(tmp_path / "srun"), weights(tmp_path / "local")
+    assert all(torch.equal(a[k], b[k]) for k in a), "srun across hosts changed the weights"
+    assert proc.returncode != 0 and not left, (proc.returncode, left, cut_out[-3000:])
+    pid1 = json.loads((run / "ranks.json").read_text())[1]["pid"]
+    assert f"rank 0: stopping: rank 1 (process {pid1} on host2) sent no heartbeat for" in cut_out, cut_out[-3000:]
+    assert "Node failure on n2" in cut_out, cut_out[-3000:]

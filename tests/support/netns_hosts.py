@@ -70,8 +70,10 @@ class Host:
 
     def command(self, cmd: Sequence[str]) -> list[str]:
         """``cmd`` as run on this host: its network, its hostname, and an /etc/hosts that
-        resolves every host's name (mount and UTS namespaces of the command's own)."""
-        return ["ip", "netns", "exec", self.ns, "unshare", "--uts", "--mount", "sh", "-c",
+        resolves every host's name (mount and UTS namespaces of the command's own).
+        ``nsenter`` rather than ``ip netns exec``, which mounts a sysfs of its own and so
+        hides the cgroup tree (slurmd needs it)."""
+        return ["nsenter", f"--net=/run/netns/{self.ns}", "unshare", "--uts", "--mount", "sh", "-c",
                 f'hostname {self.name} && mount --bind {self.hosts_file} /etc/hosts && exec "$@"', "sh", *cmd]
 
     def popen(self, cmd: Sequence[str], **kwargs) -> subprocess.Popen:
@@ -116,7 +118,7 @@ case "$host" in
 {cases}
   *) echo "no host $host here" >&2; exit 255 ;;
 esac
-exec ip netns exec "$ns" unshare --uts --mount sh -c \
+exec nsenter --net="/run/netns/$ns" unshare --uts --mount sh -c \
   'hostname "$0" && mount --bind {hosts_file} /etc/hosts && exec sh -c "$1"' "$host" "$*"
 """
 
