@@ -92,14 +92,14 @@ class Replay:
 
     # -- what a step's forward changes besides the update ----------------------------------
     def _save(self) -> tuple[torch.Tensor, list[torch.Tensor], int]:
-        return (rng_state(self.model), [b.detach().clone() for b in self.model.buffers()],
+        return (rng_state(self.model), [b.detach().clone() for b in self.step.pmodel.buffers()],
                 self.progress.skipped_samples)
 
     def _restore(self, saved: tuple[torch.Tensor, list[torch.Tensor], int]) -> None:
         rng, buffers, skipped = saved
         set_rng_state(rng, self.model)
         with torch.no_grad():
-            for b, v in zip(self.model.buffers(), buffers):
+            for b, v in zip(self.step.pmodel.buffers(), buffers):
                 b.copy_(v)
         self.progress.skipped_samples = skipped
 

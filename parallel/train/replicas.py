@@ -142,13 +142,13 @@ def disagreements(table: torch.Tensor, items: Sequence[tuple[str, bool]], spatia
     ``table``: (world, K, 2) digests of every rank; ``items``: each tensor's (name,
     sharded). A pure function of what every rank gathered: every rank finds the same.
     """
-    rows = [[tuple(r) for r in table[k].tolist()] for k in range(table.shape[0])]
+    by_rank = [[tuple(d) for d in table[r].tolist()] for r in range(table.shape[0])]  # [rank][tensor]
     found = []
     for k, (name, sharded) in enumerate(items):
         for ranks in replica_sets(sharded, spatial_size, data_size):
             if len(ranks) < 2:
                 continue
-            seen = [rows[r][k] for r in ranks]
+            seen = [by_rank[r][k] for r in ranks]
             counts = Counter(seen).most_common()
             if len(counts) == 1:
                 continue
@@ -203,10 +203,11 @@ class ReplicaCheck(Observer):
         if self.checked_step == step:
             return
         t0 = time.perf_counter()
-        items = tracked(self.model, self.pmodel, self.optimizer)
-        mine = digests(items)
         g = self.grid
-        if g.world_size > 1:
+        found: list[Disagreement] = []
+        if g.world_size > 1:  # one rank holds no copies: nothing to compare
+            items = tracked(self.model, self.pmodel, self.optimizer)
+            mine = digests(items)
             parts = comm.all_gather_varlen(mine.to(g.device), g.world_group, caller="replicas.check")
             if len({p.shape[0] for p in parts}) > 1:
                 raise ReplicaMismatchError(
@@ -214,8 +215,6 @@ class ReplicaCheck(Observer):
                     f"({[p.shape[0] for p in parts]}: parameters and optimiser state); {self.last_good()}")
             table = torch.stack([p.cpu() for p in parts])
             found = disagreements(table, [(t.name, t.sharded) for t in items], g.spatial_size, g.data_size)
-        else:
-            found = []
         self.count += 1
         self.seconds += time.perf_counter() - t0
         if found:

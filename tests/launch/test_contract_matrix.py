@@ -12,7 +12,7 @@ every step (``train.replica_check_every=1``): copies that drift apart fail the c
 
 | composite | options on |
 |---|---|
-| ``cosmo_sgd`` | clipping (clipped at every step), accumulation 2, weight-decay groups, activation recompute, sharded Flatten+Linear and replicated Linear, an injected non-finite step skipped, the window conv path, a resume at step 2 (2x1x1) |
+| ``cosmo_sgd`` | clipping (clipped at every step), accumulation 2, weight-decay groups, activation recompute, sharded Flatten+Linear and replicated Linear, an injected non-finite step replayed (the same numbers again) and skipped, the window conv path, a resume at step 2 (2x1x1) |
 | ``cosmo_kfac`` | K-FAC (factors every step, eigendecompositions every 2, KL clip), clipping, weight decay, NDHWC activations, a resume at step 2 (2x2x1) |
 | ``unet`` | InstanceNorm, 16^3 crops of larger cases with oversampling, augmentation, sliding-window evaluation (its Dice compared too), accumulation 2, the timed (``auto``) conv path, NDHWC activations, a resume at step 2 (data 2 x spatial 2) |
 | ``unet_bn`` | BatchNorm: 2x2x1 against serial (at data 2 each data group normalises over its own share of the batch, as DDP does: not serial's numbers, docs/training.md) |
@@ -63,7 +63,7 @@ CASES = {
     "cosmo_sgd": ("cosmoflow", [*COSMO, "train.precision=fp64", "train.grad_clip=0.05", "train.accum_steps=2",
                                 "optim.weight_decay=0.01", "model.dropout=0.0",
                                 "train.activation_checkpointing=true", "train.nonfinite=skip",
-                                "train.inject_nonfinite=[2]", "parallel.conv_path=window"]),
+                                "train.inject_nonfinite=[2]", "parallel.conv_path=window", "train.replay=true"]),
     "cosmo_dropout": ("cosmoflow", [*COSMO, "train.precision=fp64", "model.dropout=0.3"]),
     "cosmo_kfac": ("cosmoflow", [*COSMO, "train.precision=fp64", "model.dropout=0.0", "optim.name=kfac",
                                  "optim.kfac.factor_interval=1", "optim.kfac.inverse_interval=2",
@@ -165,6 +165,8 @@ def test_cosmoflow_sgd_options_equal_serial_in_float64(data, tmp_path):
     for grid, run in runs.items():
         s = _summary(run)
         assert s["skipped_steps"] == 1, (grid, s["skipped_steps"])  # the injected NaN: skipped everywhere
+        # ... after its replay gave the same NaN (the resumed run's second session started after it)
+        assert s["replayed_steps"]["persistent"] == (0 if grid == "s2" else 1), (grid, s["replayed_steps"])
         # 3 updates, each clipped (clipping active); the resumed run's second session made 2 of them
         assert s["clipped_steps"] == (2 if grid == "s2" else 3), (grid, s["clipped_steps"])
         # every split convolution ran the window path (serial has none: nothing is split)
