@@ -52,3 +52,16 @@ def test_a_bad_sample_gives_the_same_numbers_twice_and_is_named(tmp_path):
     said = [line for line in proc.stderr.splitlines() if "the replay gave the same numbers on every rank" in line]
     assert said and str(bad) + "[0]" in said[0], proc.stderr[-3000:]
     assert "non-finite gradients (norm inf" in proc.stderr and "stopping (train.nonfinite=fail)" in proc.stderr
+
+
+
+def test_a_spike_replayed_to_the_same_numbers_is_a_bad_step(data, tmp_path):
+    # one rank; any gradient norm 1% above its running average is a "spike": the first such
+    # step is replayed, gives the same norm, and train.nonfinite=fail stops the run at it
+    proc = launch("cosmoflow", 1, [*TINY[:-1], f"data.dir={data}", f"run.dir={tmp_path / 'run'}", "train.replay=true",
+                                   "train.spike_factor=1.01"], check=False, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "step 2: suspicious (rank 0: gradient norm" in proc.stderr
+    assert "the replay gave the same numbers on every rank" in proc.stderr
+    assert "above train.spike_factor=1.01 x its running average" in proc.stderr, proc.stderr[-3000:]
+    assert "the same when replayed (samples " in proc.stderr and "stopping (train.nonfinite=fail)" in proc.stderr
