@@ -59,7 +59,7 @@ class Tracked:
 
 def tracked(model: nn.Module, pmodel: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[Tracked]:
     """Every parameter of ``pmodel`` (named as in the serial ``model``) and every tensor of
-    its optimiser state, in the same order on every rank."""
+    its optimiser state (K-FAC's factors too), in the same order on every rank."""
     names = {id(p): n for n, p in model.named_parameters()}
     out: list[Tracked] = []
     for pname, p in pmodel.named_parameters():
@@ -72,6 +72,15 @@ def tracked(model: nn.Module, pmodel: nn.Module, optimizer: torch.optim.Optimize
             if isinstance(value, torch.Tensor):
                 # a per-parameter scalar (Adam's step count) is a replica on every rank alike
                 out.append(Tracked(f"{name} (optimiser {key})", sharded and value.dim() > 0, value.detach()))
+    # K-FAC's factors and their eigendecompositions: the same on every rank (parallel.kfac)
+    factors, eigen = getattr(optimizer, "factors", None), getattr(optimizer, "eigen", None)
+    if isinstance(factors, dict) and isinstance(eigen, dict):
+        for key in sorted(factors):
+            for part, t in zip(("A", "G"), factors[key]):
+                out.append(Tracked(f"{key} (K-FAC factor {part})", False, t.detach()))
+        for key in sorted(eigen):
+            for part, t in zip(("QA", "lA", "QG", "lG"), (*eigen[key][0], *eigen[key][1])):
+                out.append(Tracked(f"{key} (K-FAC {part})", False, t.detach()))
     return out
 
 
