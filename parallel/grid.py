@@ -12,6 +12,7 @@ explicitly to everything that needs it: layers, the reader, the sampler, the loo
 from __future__ import annotations
 
 import math
+from datetime import timedelta
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -178,10 +179,12 @@ class Grid:
     # -- process groups ---------------------------------------------------------------
     @classmethod
     def from_world(cls, spatial: Sequence[int], device: torch.device | None = None,
-                   local_rank: int = 0, launcher: str = "single") -> "Grid":
+                   local_rank: int = 0, launcher: str = "single", timeout: timedelta | None = None) -> "Grid":
         """Build the grid and its process groups over the running torch.distributed world.
 
         Every rank must call this with the same ``spatial`` (group creation is collective).
+        ``timeout`` bounds each collective of the new groups, as the world's (torch gives a
+        new group its own default, 30 minutes, not the world's).
         """
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: call parallel.init() first")
@@ -191,22 +194,22 @@ class Grid:
         grid.world_group = dist.group.WORLD
         spatial_lists = [list(range(d * s, (d + 1) * s)) for d in range(w // s)]
         data_lists = [list(range(r, w, s)) for r in range(s)]
-        grid.spatial_group = _subgroup(spatial_lists, grid.rank)
-        grid.data_group = _subgroup(data_lists, grid.rank)
+        grid.spatial_group = _subgroup(spatial_lists, grid.rank, timeout)
+        grid.data_group = _subgroup(data_lists, grid.rank, timeout)
         # Gradient all-reduces run asynchronously during the backward, beside the halo
         # exchanges and norm reductions: a group of their own keeps their order apart.
-        grid.grad_group = dist.new_group(list(range(w)))
-        grid.grad_data_group = _subgroup(data_lists, grid.rank)
+        grid.grad_group = dist.new_group(list(range(w)), timeout=timeout)
+        grid.grad_data_group = _subgroup(data_lists, grid.rank, timeout)
         if s > 1 and w > s:  # the hierarchical sync's reduce-scatter and all-gather (parallel.model.gradsync)
-            grid.grad_spatial_group = _subgroup(spatial_lists, grid.rank)
+            grid.grad_spatial_group = _subgroup(spatial_lists, grid.rank, timeout)
         return grid
 
 
-def _subgroup(rank_lists: list[list[int]], rank: int) -> Any:
+def _subgroup(rank_lists: list[list[int]], rank: int, timeout: timedelta | None = None) -> Any:
     """Create every group of the partition (collectively) and return the one holding ``rank``."""
     mine = None
     for ranks in rank_lists:
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             mine = group
     return mine

@@ -108,6 +108,31 @@ NIGHTLY = {
         "ranks/test_data_staging_once.py (read-once staging on 4 ranks as 2 nodes: bytes read once, every copy "
         "checked, resume) and launch/test_train_resume.py::test_outputs_and_checkpoint_loads_serially (the MLPerf "
         "staging events around build_data); the loop passes data.stage_read_once to stage (parallel/train/data.py)",
+    "launch/test_replica_faults.py::test_a_bit_flipped_in_a_replicated_weight_of_the_spatial_group_is_caught":
+        "launch/test_replica_faults.py::test_a_bit_flipped_in_one_data_replica_is_caught_and_its_rank_named (a flip "
+        "in a weight replicated over the spatial group and the data groups, caught at the next check, the checkpoint "
+        "before it kept) and unit/test_replicas.py::test_the_odd_rank_of_a_majority_is_named_and_a_pair_names_both "
+        "(two copies: both ranks named)",
+    "launch/test_replay_step.py::test_a_flipped_bit_in_a_gradient_is_transient_and_the_run_ends_undisturbed":
+        "launch/test_replay_step.py::test_a_bad_sample_gives_the_same_numbers_twice_and_is_named (a suspicious step "
+        "abandoned before its update, its state put back and run again with the same batch; the verdict from the "
+        "numbers gathered over the ranks)",
+    "launch/test_hosts_netns.py::test_a_slow_lossy_link_changes_no_weight_and_shows_in_the_step_times":
+        "launch/test_hosts_netns.py::test_a_link_taken_down_mid_run_ends_the_job_naming_the_host (the same job, "
+        "spatial 2x1x1 across the two hosts' link); that timing never changes the numbers: "
+        "launch/test_contract_matrix.py (every grid ends at serial's weights)",
+    "launch/test_hosts_netns.py::test_mpirun_across_hosts_equals_one_host_and_a_cut_link_ends_it":
+        "launch/test_hosts_netns.py::test_a_link_taken_down_mid_run_ends_the_job_naming_the_host (a job across the "
+        "hosts, its link cut: the same watchdog messages) and launch/test_launchers.py::"
+        "test_each_launcher_at_4_ranks_equals_plain_python (mpirun's job equals plain python's)",
+    "launch/test_hosts_netns.py::test_elastic_survivors_go_on_after_a_link_is_cut":
+        "launch/test_elastic.py::test_a_node_dies_and_the_job_finishes_on_the_survivors (the survivors re-grid, "
+        "resume and finish) and launch/test_hosts_netns.py::test_a_link_taken_down_mid_run_ends_the_job_naming_the_host "
+        "(a cut link ends the session on both sides)",
+    "launch/test_hosts_netns.py::test_srun_across_hosts_equals_one_host_and_a_cut_link_ends_it":
+        "launch/test_slurm_real.py (srun and sbatch on the real Slurm's two nodes) and "
+        "launch/test_hosts_netns.py::test_a_link_taken_down_mid_run_ends_the_job_naming_the_host (a job across the "
+        "hosts, its link cut: the same watchdog messages)",
 }
 
 

@@ -11,7 +11,9 @@ with ``torch.load(path, weights_only=True)`` (``load``; never arbitrary pickled 
   layout is ``parallel.train.persist.rng``'s), restored only at the same world size, so
   dropout masks repeat exactly; ``scaler``: the fp16 grad scaler;
 - ``meta``: the family, volume and model config it was written for (a resume checks
-  them, ``check_matches``, and says what differs) and the grid, for reference.
+  them, ``check_matches``, and says what differs) and the grid, for reference;
+- ``replicas``: the replica check it was written after (``parallel.train.replicas``:
+  ``checked``, ``agree``, ``step``, ``world_size``; ``checked`` false with the check off).
 
 ``write`` puts a payload in place atomically: a temporary file, flushed to disk, renamed
 over ``last.pt`` (``os.replace``), so a job killed mid-write leaves the previous checkpoint

@@ -186,6 +186,21 @@ class TrainConfig:
     """Testing hook: at these (1-based) steps a NaN is put into one gradient after the sync,
     on some ranks only where a sharded weight allows (``parallel.train.step.inject_nonfinite``),
     to test that every rank takes the ``nonfinite`` decision alike. Empty in real runs."""
+    replica_check_every: int = 100
+    """Every this many steps, and before every checkpoint, compare a bit-exact digest of
+    every parameter and its optimiser state over the ranks holding copies of it (the data
+    replicas; for parameters not sharded in space, the spatial group too) and stop naming
+    the step, the tensor and the odd rank on a mismatch (``parallel.train.replicas``,
+    docs/failures.md); 0: off."""
+    replay: bool = False
+    """Replay a suspicious step once (a non-finite gradient norm, or a spike: see
+    ``spike_factor``) from the state before it with the same batch and RNG streams: the
+    same numbers mean the data or the model (the samples are named, ``nonfinite`` applies),
+    others a transient fault (the ranks are named, training goes on with the replayed step)
+    (``parallel.train.replay``, docs/failures.md). Not with K-FAC or fp16."""
+    spike_factor: float = 0.0
+    """With ``replay``: a step whose global gradient norm exceeds this many times its running
+    average is suspicious too (0: only non-finite steps)."""
 
 
 @dataclass

@@ -242,7 +242,7 @@ def init(spatial: Sequence[int] | Callable[[Any], Sequence[int]] = (1, 1, 1), *,
                  timeout.total_seconds(), timeout_s)
     # A CPU group beside NCCL, for host-side facts: NCCL cannot talk before each rank has its
     # GPU, and the placement decides which GPU that is. Under gloo the world is that group.
-    cpu_group = dist.new_group(backend="gloo") if nccl else dist.group.WORLD
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if nccl else dist.group.WORLD
     try:
         hosts, gpus = gather_facts(cpu_group, with_gpus=nccl)
         rank = dist.get_rank()
@@ -262,7 +262,7 @@ def init(spatial: Sequence[int] | Callable[[Any], Sequence[int]] = (1, 1, 1), *,
         if callable(spatial):
             world = Placement(tuple(hosts), 1)
             spatial = _decided_on_rank0(lambda: spatial(world), cpu_group)  # type: ignore[misc]
-        grid = Grid.from_world(spatial, device=device, local_rank=local_rank, launcher=launcher)
+        grid = Grid.from_world(spatial, device=device, local_rank=local_rank, launcher=launcher, timeout=timeout)
     except BaseException:
         # Every rank fails here alike (the facts are shared): leave together, not mid-message.
         _leave(cpu_group, min(timeout_s, 60.0))

@@ -34,6 +34,7 @@ the observations and carries the decisions out.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -44,7 +45,7 @@ import tempfile
 import threading
 import time
 from datetime import timedelta
-from typing import Any, NoReturn
+from typing import Any, Iterator, NoReturn
 
 import torch.distributed as dist
 
@@ -107,6 +108,7 @@ class Watchdog:
         self._check.beat = (-1, time.monotonic())
         self._store_errors = 0
         self._lock = threading.Lock()  # one store connection, two threads
+        self._busy_since: float | None = None  # when the store call in progress began
         self.monitor = launcher == "mpi" if monitor is None else monitor
         tag = re.sub(r"[^A-Za-z0-9]+", "-", f"{address[0]}-{address[1]}-{namespace}")
         self.notes = os.path.join(tempfile.gettempdir(), f"spatialcnn-exits-{tag}")
@@ -135,7 +137,30 @@ class Watchdog:
             threading.Thread(target=self._connect_monitor, name="parallel-monitor-link", daemon=True).start()
         self._thread = threading.Thread(target=self._run, name="parallel-watchdog", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._guard, name="parallel-watchdog-guard", daemon=True).start()
         return self
+
+    @contextlib.contextmanager
+    def _store_call(self) -> Iterator[None]:
+        """One use of the store connection (by either thread), timed for ``_guard``."""
+        with self._lock:
+            self._busy_since = time.monotonic()
+            try:
+                yield
+            finally:
+                self._busy_since = None
+
+    def _guard(self) -> None:
+        """End this process when a store call hangs past ``timeout_s``: a store behind a
+        link that went down answers nothing and raises nothing (TCP keeps waiting), so the
+        heartbeat, and any thread waiting for the connection, would wait with it."""
+        while not self._stop.wait(self.interval_s):
+            since = self._busy_since
+            if since is not None and time.monotonic() - since > self.timeout_s:
+                host, port = self.address
+                self._die(f"rank {self.rank}: stopping: lost the job's store at {host}:{port}: no answer for "
+                          f"{time.monotonic() - since:.0f} s (parallel.timeout_s={self.timeout_s:g}): the "
+                          "network to it is down, or its host died")
 
     def _start_monitor(self) -> None:
         local = [t for t in self.table() if t["host"] == self.host]
@@ -190,7 +215,7 @@ class Watchdog:
             if self._failing:
                 return
             try:
-                with self._lock:
+                with self._store_call():
                     cause = self._poll()
                 self._store_errors = 0
             except Exception as err:  # noqa: BLE001 - any store failure means the store is gone
@@ -252,7 +277,7 @@ class Watchdog:
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                with self._lock:
+                with self._store_call():
                     cause = self._abort_record() or self._dead_peer()
             except Exception:  # noqa: BLE001
                 host, port = self.address
@@ -264,7 +289,7 @@ class Watchdog:
     def _publish(self, record: Record) -> None:
         """Make ``record`` the job's abort record unless another rank's came first."""
         try:
-            with self._lock:
+            with self._store_call():
                 self._store.compare_set(self._key("abort"), "", record.to_json())
         except Exception:  # noqa: BLE001 - the store may be gone; the exit still happens
             pass

@@ -19,7 +19,9 @@ Grouped by what the files do (each folder a layer: docs/parallel.md's module map
   schedule), ``evaluate`` (the evaluation and its schedule), ``gradnorm`` (the global
   gradient norm every rank decides from), ``precision`` (autocast, fp64, the fp16 loss
   scaler), ``stopsignal`` (a signal such as Slurm's time-limit warning), ``elastic`` (a
-  restart under torchrun);
+  restart under torchrun), ``replicas`` (every copy of a parameter bitwise alike, checked),
+  ``replay`` (a suspicious step run again: a transient fault or the data), ``faults`` (a
+  bit flipped on purpose, for the tests of both);
 - ``cli``: the command line (Hydra's entry point, its settings, sweeps).
 """
 

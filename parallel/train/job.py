@@ -41,7 +41,7 @@ from parallel.model.compiled import compile_model
 from parallel.model.random_draws import stream_seed
 from parallel.runtime.memory import reset_peak
 from parallel.split import layout
-from parallel.train import elastic, stopsignal
+from parallel.train import elastic, faults, stopsignal
 from parallel.train.checks import JobPlan, budget, equivalence, on_grid
 from parallel.train.data import build_data
 from parallel.train.evaluate import Evaluator
@@ -60,6 +60,8 @@ from parallel.train.persist import rng
 from parallel.train.persist.state import TrainState, plain_config
 from parallel.train.persist.writer import Writer
 from parallel.train.precision import LossScaler
+from parallel.train.replay import Replay
+from parallel.train.replicas import ReplicaCheck
 from parallel.train.step import NonFiniteGuard, TrainStep
 
 log = logging.getLogger("parallel.train")
@@ -82,6 +84,8 @@ class Job:
     stop: Any
     first: tuple
     run_s_before: float
+    replicas: ReplicaCheck | None = None
+    replay: Replay | None = None
 
     def run(self) -> dict[str, Any]:
         """Train (collective: every rank); the summary, which rank 0 also writes as
@@ -149,12 +153,19 @@ def build_job(cfg: JobConfig, family: Family, grid: Grid, plan: JobPlan, writer:
     step = TrainStep(cfg.train, family, grid, model, pmodel, optimizer, scaler, schedule, p, guard, augment, noise)
     if not noise.measured:
         log.info("gradient noise scale: not measured (%s)", noise.why_not)
+    replicas = ReplicaCheck(cfg.train.replica_check_every, grid, model, pmodel, optimizer, saver.last_good)
+    saver.record = replicas.record  # every checkpoint from agreeing replicas
+    flip = faults.from_env(grid, model, optimizer)  # a test's fault; None in real runs
+    if flip is not None:
+        step.after_sync = flip.after_sync
+    replay = Replay(step, grid, model, p, cfg.train.spike_factor, data.train, spe) if cfg.train.replay else None
     log.info("%s: %.2fM parameters, volume %s, %d train / %d val samples, %d steps per epoch", family.name,
              sum(q.numel() for q in model.parameters()) / 1e6, data.volume, data.n_train, data.n_val, spe)
     ml.event(C.TRAIN_SAMPLES, data.n_train)
     ml.event(C.EVAL_SAMPLES, data.n_val)
     events = Observers([
         StepProfiler(cfg.train.profile, cfg.run.dir, grid.rank, grid.device) if cfg.train.profile else None,
+        flip, replicas,  # after the update, before anything reports or keeps the step
         Reporter(cfg.run, grid, total, spe, p.step, resume is not None, clock, times, lambda: step.lr,
                  family.metric_name, target, cfg.train.global_batch_size, first[2], noise=noise),
         saver,
@@ -162,11 +173,12 @@ def build_job(cfg: JobConfig, family: Family, grid: Grid, plan: JobPlan, writer:
     ])
     ending = Ending(total, cfg.train.max_steps, cfg.train.stop_at_target, lambda m: m is not None and
                     family.reached(m, target), stop)
-    loop = Loop(step, pmodel, data, p, cfg.train.global_batch_size,
+    loop = Loop(replay or step, pmodel, data, p, cfg.train.global_batch_size,
                 Evaluator(pmodel, data.val.loader, family, grid, cfg.eval, cfg.data.crop, str(cfg.train.precision)),
                 EvalSchedule(cfg.train.eval_every, cfg.eval.start_epoch, cfg.train.eval_at_end), ending,
                 lambda a, b: a < b if family.goal == "min" else a > b, events, clock, times)
-    return Job(cfg, grid, loop, step, saver, pmodel, channels_last, memory, target, stop, first, run_s_before)
+    return Job(cfg, grid, loop, step, saver, pmodel, channels_last, memory, target, stop, first, run_s_before,
+               replicas, replay)
 
 
 def _read_resume(path: Path, meta: dict[str, Any], grid: Grid) -> tuple[dict[str, Any], Path]:
@@ -234,6 +246,8 @@ def _summary(job: Job, end: RunEnd) -> dict[str, Any]:
         "train_seconds": train_s, "samples_per_s": session["samples"] / train_s if train_s > 0 else 0.0,
         "session": session, "run_dir": cfg.run.dir, "checkpoints": saver.writer.costs(),
         "last_eval_step": loop.last_eval_step, "skipped_steps": p.skipped_steps,
+        "replica_checks": job.replicas.costs() if job.replicas is not None else None,
+        "replayed_steps": job.replay.costs() if job.replay is not None else None,
         "conv_paths": conv_paths(job.pmodel),  # how the split convolutions ran (parallel.conv_path)
         "channels_last": job.channels_last,  # the activations' layout (parallel.channels_last)
         "clipped_steps": job.train_step.clipped,  # this session's steps whose gradients were clipped

@@ -43,6 +43,7 @@ from parallel.train.job import run_job
 from parallel.train.observe.report import setup_logging
 from parallel.train.persist import rundir
 from parallel.train.persist.writer import Writer
+from parallel.train.replicas import ReplicaMismatchError
 from parallel.train.step import NonFiniteError
 
 log = logging.getLogger("parallel.train")
@@ -55,7 +56,7 @@ EXIT_FAILURE = 1
 # Failures reported as one line (the message says what and where); anything else is
 # logged with its traceback, since it is probably a bug.
 CLEAN_ERRORS = (InputError, checkpoint.CheckpointError, SampleReadError, SplitError,
-                FileNotFoundError, PermissionError, NonFiniteError)
+                FileNotFoundError, PermissionError, NonFiniteError, ReplicaMismatchError)
 
 
 def train(cfg: JobConfig, family: Family, config_text: str | None = None) -> dict[str, Any]:

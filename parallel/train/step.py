@@ -72,24 +72,27 @@ class NonFiniteGuard:
             x, y = x[keep], y[keep]
         return x, y
 
-    def finite_step(self, model: nn.Module, norm: float, loss: float) -> bool:
+    def finite_step(self, model: nn.Module, norm: float, loss: float, spike: str | None = None) -> bool:
         """Whether the step may update: ``norm`` is the global gradient norm
         (``parallel.train.gradnorm``: the same on every rank, so every rank decides alike).
 
-        Non-finite: raise ``NonFiniteError`` (``fail``, or too many in a row) or drop the
-        update and count it (``skip``).
+        Non-finite, or a ``spike`` (why the step is bad although finite: a replayed step's
+        verdict, ``parallel.train.replay``): raise ``NonFiniteError`` (``fail``, or too many
+        in a row) or drop the update and count it (``skip``).
         """
         step = self.progress.step + 1
-        if math.isfinite(norm):
+        if math.isfinite(norm) and spike is None:
             self.bad_in_a_row = 0
             if not math.isfinite(loss):
                 log.warning("step %d: the loss is %s on this rank but the gradients are finite", step, loss)
             return True
-        # the first parameter whose gradient is non-finite on this rank (messages only)
-        bad = next((n for n, p in model.named_parameters()
-                    if p.grad is not None and not bool(torch.isfinite(p.grad).all())), "?")
-        what = (f"step {step}: non-finite gradients (norm {norm}, first in '{bad}'; "
-                f"loss {loss:.6g} on this data group)")
+        if spike is not None:
+            what = f"step {step}: {spike}"
+        else:  # the first parameter whose gradient is non-finite on this rank (messages only)
+            bad = next((n for n, p in model.named_parameters()
+                        if p.grad is not None and not bool(torch.isfinite(p.grad).all())), "?")
+            what = (f"step {step}: non-finite gradients (norm {norm}, first in '{bad}'; "
+                    f"loss {loss:.6g} on this data group)")
         if self.policy == "fail":
             raise NonFiniteError(f"{what}; stopping (train.nonfinite=fail): {self.last_good()}. Resume with a lower "
                                  "optim.lr or train.grad_clip, or set train.nonfinite=skip")
@@ -125,6 +128,10 @@ class TrainStep:
         self.clipped = 0      # steps whose gradients were clipped
         self.cast = compute_dtype(train.precision)
         self.noise = noise  # the gradient noise scale, fed from the sync's data-group gradients
+        self.after_sync: Callable[[int], None] | None = None  # test hook: a fault before the update
+        # a judge of the step before its update (parallel.train.replay): may abort the step or
+        # say why it is bad although finite
+        self.suspect: Callable[[float, float], str | None] | None = None
 
     def __call__(self, batch: Batch) -> torch.Tensor:
         """One step on this rank's ``batch``; the local loss (zero for a skipped update)."""
@@ -164,6 +171,8 @@ class TrainStep:
         params = list(self.pmodel.parameters())
         if self.progress.step + 1 in self.inject:
             inject_nonfinite(self.pmodel, self.grid)
+        if self.after_sync is not None:
+            self.after_sync(self.progress.step + 1)
         if self.scaler is not None:
             self.scaler.unscale_(params)
         sync = getattr(self.pmodel, "sync", None)
@@ -171,6 +180,7 @@ class TrainStep:
         extra = [sync.small_norm_sq()] if measured else []  # one scalar summed over every rank
         norm, loss_f, *small = read_host(global_grad_norm(params, self.grid), loss, *extra)
         self.last_norm = norm
+        spike = self.suspect(norm, loss_f) if self.suspect is not None else None
         if self.scaler is not None:
             finite = math.isfinite(norm)
             if not finite:
@@ -178,7 +188,7 @@ class TrainStep:
                          self.progress.step + 1, norm, self.scaler.get_scale(),
                          self.scaler.get_scale() * self.scaler.backoff_factor)
         else:
-            finite = self.guard.finite_step(self.model, norm, loss_f)
+            finite = self.guard.finite_step(self.model, norm, loss_f, spike)
         if finite and small:  # before clipping; the fp16 loss scale taken out of the data groups' norms
             scale = self.scaler.get_scale() if self.scaler is not None else 1.0
             self.noise.update(small[0] / scale**2, norm * norm)  # type: ignore[union-attr]

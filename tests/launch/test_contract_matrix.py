@@ -7,11 +7,12 @@ at four grids: serial, spatial 2x1x1, 2x2x1 and data 2 x spatial 2x1x1 (4 ranks)
 float32-noise-sized amount (per-rank gradient clipping, as an earlier version clipped: 1e-2 here) fails.
 Low precision (bf16 autocast, fp16 with the loss scaler) cannot run at fp64: see the
 last lines; fp16 also compares the loss scale every grid ended with (the skip decision
-is global).
+is global). Every run also compares every copy of its parameters and optimiser state at
+every step (``train.replica_check_every=1``): copies that drift apart fail the case.
 
 | composite | options on |
 |---|---|
-| ``cosmo_sgd`` | clipping (clipped at every step), accumulation 2, weight-decay groups, activation recompute, sharded Flatten+Linear and replicated Linear, an injected non-finite step skipped, the window conv path, a resume at step 2 (2x1x1) |
+| ``cosmo_sgd`` | clipping (clipped at every step), accumulation 2, weight-decay groups, activation recompute, sharded Flatten+Linear and replicated Linear, an injected non-finite step replayed (the same numbers again) and skipped, the window conv path, a resume at step 2 (2x1x1) |
 | ``cosmo_kfac`` | K-FAC (factors every step, eigendecompositions every 2, KL clip; two factors held low rank), clipping, weight decay, NDHWC activations, a resume at step 2 (2x2x1) |
 | ``unet`` | InstanceNorm, 16^3 crops of larger cases with oversampling, augmentation, sliding-window evaluation (its Dice compared too), accumulation 2, the timed (``auto``) conv path, NDHWC activations, a resume at step 2 (data 2 x spatial 2) |
 | ``unet_bn`` | BatchNorm: 2x2x1 against serial (at data 2 each data group normalises over its own share of the batch, as DDP does: not serial's numbers, docs/training.md) |
@@ -46,7 +47,10 @@ GRIDS = {"serial": (1, "[1,1,1]"), "s2": (2, "[2,1,1]"), "s2x2": (4, "[2,2,1]"),
 
 COMMON = ["--config-name", "quickstart", "train.max_steps=4", "train.seed=3", "train.eval_every=0",
           "run.progress=false", "run.tensorboard=false", "run.log_rank=-3", "mlperf.enabled=false",
-          "sched.warmup_epochs=0", "optim.lr=0.05"]
+          "sched.warmup_epochs=0", "optim.lr=0.05",
+          # every copy of every parameter and its optimiser state compared at every step: a false
+          # alarm (replicas that drift by construction) fails the case (parallel.train.replicas)
+          "train.replica_check_every=1"]
 
 
 
@@ -59,7 +63,7 @@ CASES = {
     "cosmo_sgd": ("cosmoflow", [*COSMO, "train.precision=fp64", "train.grad_clip=0.05", "train.accum_steps=2",
                                 "optim.weight_decay=0.01", "model.dropout=0.0",
                                 "train.activation_checkpointing=true", "train.nonfinite=skip",
-                                "train.inject_nonfinite=[2]", "parallel.conv_path=window"]),
+                                "train.inject_nonfinite=[2]", "parallel.conv_path=window", "train.replay=true"]),
     "cosmo_dropout": ("cosmoflow", [*COSMO, "train.precision=fp64", "model.dropout=0.3"]),
     "cosmo_kfac": ("cosmoflow", [*COSMO, "train.precision=fp64", "model.dropout=0.0", "optim.name=kfac",
                                  "optim.kfac.factor_interval=1", "optim.kfac.inverse_interval=2",
@@ -146,6 +150,9 @@ def _summary(run: Path) -> dict:
 def _exact(case: str, data: dict[str, Path], root: Path, tol: float = EXACT) -> dict[str, Path]:
     """Run ``case`` at the four grids; assert the split runs end at serial's weights to ``tol``."""
     runs = {g: _run(case, g, data, root) for g in GRIDS}
+    for grid, run in runs.items():  # the check ran after every step of the (last) session
+        checks = _summary(run)["replica_checks"]
+        assert checks["every"] == 1 and checks["count"] >= 2, (grid, checks)
     for grid in ("s2", "s2x2", "d2s2"):
         ref = "serial"
         a, b = weights(runs[ref]), weights(runs[grid])
@@ -161,6 +168,8 @@ def test_cosmoflow_sgd_options_equal_serial_in_float64(data, tmp_path):
     for grid, run in runs.items():
         s = _summary(run)
         assert s["skipped_steps"] == 1, (grid, s["skipped_steps"])  # the injected NaN: skipped everywhere
+        # ... after its replay gave the same NaN (the resumed run's second session started after it)
+        assert s["replayed_steps"]["persistent"] == (0 if grid == "s2" else 1), (grid, s["replayed_steps"])
         # 3 updates, each clipped (clipping active); the resumed run's second session made 2 of them
         assert s["clipped_steps"] == (2 if grid == "s2" else 3), (grid, s["clipped_steps"])
         # every split convolution ran the window path (serial has none: nothing is split)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from torch import nn
 
@@ -35,12 +35,18 @@ class Checkpoints(Observer):
         self.run, self.clock, self.total, self.stop_signal = run, clock, total_steps, stop_signal
         self.saved_step = saved_step
         self._saved_t = time.perf_counter()
+        self.record: Callable[[Any], dict[str, Any]] | None = None
+        """Run before each save (the replica check, ``parallel.train.replicas``): what the
+        checkpoint records under ``replicas``; it may raise instead, and nothing is written."""
 
     def save(self, progress: Any) -> None:
         """Write the state now (the run's seconds so far recorded in it)."""
         progress.run_s = self.clock.now()
-        self.writer.save(self.path, self.grid, self.state.state_dict(self.grid), self.model,
-                         keep=self.run.keep_checkpoints)
+        checked = self.record(progress) if self.record is not None else None
+        state = self.state.state_dict(self.grid)
+        if checked is not None:
+            state["replicas"] = checked
+        self.writer.save(self.path, self.grid, state, self.model, keep=self.run.keep_checkpoints)
         self.saved_step = progress.step
         self._saved_t = time.perf_counter()
 
