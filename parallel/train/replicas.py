@@ -79,9 +79,22 @@ def tracked(model: nn.Module, pmodel: nn.Module, optimizer: torch.optim.Optimize
             for part, t in zip(("A", "G"), factors[key]):
                 out.append(Tracked(f"{key} (K-FAC factor {part})", False, t.detach()))
         for key in sorted(eigen):
-            for part, t in zip(("QA", "lA", "QG", "lG"), (*eigen[key][0], *eigen[key][1])):
-                out.append(Tracked(f"{key} (K-FAC {part})", False, t.detach()))
+            for side, held in zip("AG", eigen[key]):
+                for part, t in _held(side, held):
+                    out.append(Tracked(f"{key} (K-FAC {part})", False, t.detach()))
     return out
+
+
+def _held(side: str, held: Any) -> list[tuple[str, torch.Tensor]]:
+    """A K-FAC factor's inverse form as named tensors: a dense eigendecomposition ``(Q, l)``,
+    a low-rank plus diagonal form (``u``, ``lam``, ``d``) or a blocked one (``u``, ``lam`` and
+    each diagonal block's ``q``, ``e``) (``parallel.kfac.lowrank``)."""
+    if isinstance(held, (tuple, list)):
+        return [(f"Q{side}", held[0]), (f"l{side}", held[1])]
+    parts = [(f"U{side}", held.u), (f"l{side}", held.lam)]
+    if hasattr(held, "d"):
+        return parts + [(f"d{side}", held.d)]
+    return parts + [(f"Q{side}[{i}]", q) for i, q in enumerate(held.q)] + [(f"e{side}[{i}]", e) for i, e in enumerate(held.e)]
 
 
 def digest(t: torch.Tensor) -> tuple[int, int]:

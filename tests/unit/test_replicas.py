@@ -88,3 +88,18 @@ def test_the_fault_variable_is_parsed_strictly():
     assert (before, after) == (1.0, -1.0) and t.tolist() == [1.0, -1.0, 1.0]
     with pytest.raises(InputError, match="3 elements of 32 bits"):
         faults.flip_bit_(t, 32, 0)
+
+
+def test_kfac_low_rank_and_blocked_forms_are_tracked_tensor_by_tensor():
+    """K-FAC's wide factors are held as low rank plus diagonal or blocked (parallel.kfac.lowrank):
+    each of their tensors is a replica to check, like a dense eigendecomposition's Q and l."""
+    from parallel.kfac.lowrank import Blocked, Structured
+
+    u, lam = torch.randn(6, 2), torch.rand(2)
+    dense = replicas._held("G", (torch.eye(3), torch.ones(3)))
+    low = replicas._held("A", Structured(u, lam, torch.rand(6)))
+    blocks = replicas._held("A", Blocked(u, lam, [torch.arange(3), torch.arange(3, 6)], [torch.eye(3)] * 2,
+                                         [torch.ones(3)] * 2))
+    assert [n for n, _ in dense] == ["QG", "lG"] and [n for n, _ in low] == ["UA", "lA", "dA"]
+    assert [n for n, _ in blocks] == ["UA", "lA", "QA[0]", "QA[1]", "eA[0]", "eA[1]"]
+    assert all(isinstance(t, torch.Tensor) for _, t in dense + low + blocks)
