@@ -40,11 +40,12 @@ from parallel.comm.ops import (
                                   broadcast_,
                                   exchange,
                                   reduce_scatter_async,
+                                  sends_messages,
 )
 
 __all__ = [
     "SUPPORTED_DTYPES", "CommError", "all_gather", "all_gather_async", "all_gather_bytes", "all_gather_varlen",
     "all_reduce_", "all_reduce_async", "all_reduce_sum", "backend_device", "barrier", "broadcast_", "check_for_group",
-    "check_tensor", "exchange", "group_backend", "group_device", "group_size", "reduce_scatter_async",
+    "check_tensor", "exchange", "group_backend", "group_device", "group_size", "reduce_scatter_async", "sends_messages",
     "replicated_grad", "spatial_sum",
 ]

@@ -91,7 +91,7 @@ class GradSync:
         self.flats: list[torch.Tensor | None] = [None] * len(self.buckets)
         self.shards: list[torch.Tensor | None] = [None] * len(self.buckets)
         # gloo's reduce-scatter goes as messages (parallel.comm.ops): the other ranks' parts land here
-        self.pairwise = hierarchical and "gloo" in comm.group_backend(spatial_group)
+        self.pairwise = hierarchical and comm.sends_messages(spatial_group)
         self.recvs: list[torch.Tensor | None] = [None] * len(self.buckets)
         self.small_sq: torch.Tensor | None = None  # this rank's part of the data groups' squared norms
         self.measured = False  # whether the last synced backward summed ``small_sq``

@@ -6,10 +6,13 @@ import pytest
 import noise_cases
 
 
-@pytest.mark.parametrize("world,spatial,accum", [(4, (2, 1, 1), 1), (4, (1, 1, 1), 2)],
-                         ids=["data2-x-spatial2", "data4-accum2"])
-def test_logged_norms_equal_each_groups_gradient_and_weights_stay(pools, world, spatial, accum):
-    worst = pools.run(world, noise_cases.logged_norms_against_groups, accum, spatial=spatial)[0]
+@pytest.mark.parametrize("world,spatial,accum,collectives", [(4, (2, 1, 1), 1, False), (4, (1, 1, 1), 2, False),
+                                                             (4, (2, 1, 1), 1, True)],
+                         ids=["data2-x-spatial2", "data4-accum2", "data2-x-spatial2-collectives"])
+def test_logged_norms_equal_each_groups_gradient_and_weights_stay(pools, world, spatial, accum, collectives):
+    """``collectives``: the reduce-scatter and all-gather as NCCL runs them (the backend's
+    collectives; gloo has both), which no GPU has run yet."""
+    worst = pools.run(world, noise_cases.logged_norms_against_groups, accum, 2, collectives, spatial=spatial)[0]
     assert worst["small"] < 1e-9 and worst["big"] < 1e-9, worst
 
 

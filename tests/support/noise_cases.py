@@ -58,12 +58,25 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-300)
 
 
-def logged_norms_against_groups(grid: Grid, accum: int, steps: int = 2) -> dict[str, float]:
+def logged_norms_against_groups(grid: Grid, accum: int, steps: int = 2, collectives: bool = False) -> dict[str, float]:
     """``steps`` SGD steps with the hierarchical sync measuring (fp64): at each, the logged
     |G_small|^2 and |G_big|^2 (``NoiseScale.log_values``, what metrics.jsonl gets) equal
     the mean of the data groups' squared norms and the squared norm of their mean, computed
     by the serial model from each group's rows, to 1e-9; the unbiased estimates follow the
-    formulas. The weights end where the plain sync's (one all-reduce) end, and where serial's do."""
+    formulas. The weights end where the plain sync's (one all-reduce) end, and where serial's do.
+    ``collectives``: the sync's reduce-scatter and all-gather through the backend's own
+    collectives, the path NCCL takes, instead of gloo's point-to-point messages."""
+    from parallel.comm import ops
+
+    saved = ops.MESSAGES_ON
+    ops.MESSAGES_ON = () if collectives else saved
+    try:
+        return _logged_norms(grid, accum, steps)
+    finally:
+        ops.MESSAGES_ON = saved
+
+
+def _logged_norms(grid: Grid, accum: int, steps: int) -> dict[str, float]:
     per_group = 2 * accum
     serial = _serial()
     runs = {}
@@ -123,20 +136,29 @@ def logged_norms_against_groups(grid: Grid, accum: int, steps: int = 2) -> dict[
 
 def scatter_and_gather(grid: Grid) -> float:
     """``comm.reduce_scatter_async`` and ``all_gather_async`` over the spatial group (four
-    ranks, an odd part length) against the sum and the concatenation of every rank's tensor."""
+    ranks, an odd part length) against the sum and the concatenation of every rank's tensor:
+    as gloo runs them (point-to-point messages) and through the backend's own collectives, the
+    path NCCL takes (``comm.ops.MESSAGES_ON`` emptied; gloo has both collectives)."""
     from parallel import comm
+    from parallel.comm import ops
 
     size, n = grid.spatial_size, 5
     every = [torch.arange(size * n, dtype=torch.float64) * (r + 1) + r for r in range(grid.world_size)]
     mine, me = every[grid.rank], grid.spatial_rank
-    shard = torch.empty(n, dtype=torch.float64)
-    comm.reduce_scatter_async(shard, mine.clone(), grid.spatial_group).wait()
     expected = sum(every[grid.rank - me + r] for r in range(size))[me * n:(me + 1) * n]
-    if not torch.equal(shard, expected):
-        raise AssertionError(f"rank {grid.rank}: reduce-scatter {shard.tolist()} != {expected.tolist()}")
-    out = torch.full((size * n,), -1.0, dtype=torch.float64)
-    comm.all_gather_async(out, mine[:n] + me, grid.spatial_group).wait()
     gathered = torch.cat([every[grid.rank - me + r][:n] + r for r in range(size)])
-    if not torch.equal(out, gathered):
-        raise AssertionError(f"rank {grid.rank}: all-gather {out.tolist()} != {gathered.tolist()}")
+    saved = ops.MESSAGES_ON
+    try:
+        for path, backends in (("messages", saved), ("collectives", ())):
+            ops.MESSAGES_ON = backends
+            shard = torch.empty(n, dtype=torch.float64)
+            comm.reduce_scatter_async(shard, mine.clone(), grid.spatial_group).wait()
+            if not torch.equal(shard, expected):
+                raise AssertionError(f"rank {grid.rank} ({path}): reduce-scatter {shard.tolist()} != {expected.tolist()}")
+            out = torch.full((size * n,), -1.0, dtype=torch.float64)
+            comm.all_gather_async(out, mine[:n] + me, grid.spatial_group).wait()
+            if not torch.equal(out, gathered):
+                raise AssertionError(f"rank {grid.rank} ({path}): all-gather {out.tolist()} != {gathered.tolist()}")
+    finally:
+        ops.MESSAGES_ON = saved
     return float(shard.sum())
