@@ -148,6 +148,7 @@ RULES = [
     Rule(r"collect_results\.py", "skip",
          "needs a submission's logs (tests/launch/test_cluster_scripts.py collects one)"),
     # -- performance
+    Rule(r"^python -m parallel\.data stage ", "all", "stages data/cosmo (its train and val) into the scratch folder"),
     Rule(r"^python -m parallel\.plan\.target ", "all", "as written: writes runs/target.json in the scratch folder"),
     Rule(r"^python -m parallel\.plan .*--target ", "all", "as written, after the parallel.plan.target command above"),
     Rule(r"^python -m parallel\.plan .*--alpha", "all", "the same tool as README's plan command, which CI runs"),

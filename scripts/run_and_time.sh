@@ -30,7 +30,8 @@
 # SYSTEM (mlperf.org, mlperf.platform), DIVISION, STATUS, EXTRA_ARGS (more Hydra overrides,
 # split at spaces), SRUN_EXTRA (more srun flags), SRUN_MPI (srun --mpi, default none: the
 # ranks meet through SLURM_* variables; pmi2 for the pip MPICH, see docs/cluster.md),
-# JOB_TAG (names the staging folder; run.sub sets it).
+# JOB_TAG (names the staging folder; run.sub sets it), STAGE_SHARED (run.sub STAGE_ONCE=1:
+# the job's staged copy, STAGE_SHARED<node name>, replaces the instance's own staging).
 #
 # Threads and binding: OMP_NUM_THREADS = cores per node / ranks per node. srun gets
 # --cpus-per-task, --cpu-bind=cores and --distribution=block:block (consecutive ranks, and
@@ -92,7 +93,15 @@ OVERRIDES=("run.dir=$RUN_DIR" "train.seed=$SEED")
 [[ -n "${DATA_DIR:-}" ]] && OVERRIDES+=("data.dir=$DATA_DIR")
 # One staging folder per job, instance and split: runs of a job reuse it, other grids never do.
 # JOB_TAG (run.sub: job id and submission time) keeps a repeated job id from reusing them.
-[[ -n "${STAGE_DIR:-}" ]] && OVERRIDES+=("data.stage_dir=$STAGE_DIR/spatialcnn_${JOB_TAG:-${SLURM_JOB_ID:-local}}_${INSTANCE}_${SPATIAL//,/x}")
+if [[ -n "${STAGE_SHARED:-}" ]]; then
+    # run.sub STAGE_ONCE=1 staged whole files once per job into STAGE_SHARED<node>: every rank
+    # takes its node's folder (Hydra resolves the node's name in the rank's own environment)
+    # and finds every file there, checked; nothing is read from DATA_DIR.
+    OVERRIDES+=("data.stage_dir=${STAGE_SHARED}\${oc.env:SLURMD_NODENAME,local}" data.stage_read_once=true
+                data.stage_blocks_only=false)
+elif [[ -n "${STAGE_DIR:-}" ]]; then
+    OVERRIDES+=("data.stage_dir=$STAGE_DIR/spatialcnn_${JOB_TAG:-${SLURM_JOB_ID:-local}}_${INSTANCE}_${SPATIAL//,/x}")
+fi
 [[ -n "${ORG:-}" ]] && OVERRIDES+=("mlperf.org=$ORG")
 [[ -n "${SYSTEM:-}" ]] && OVERRIDES+=("mlperf.platform=$SYSTEM")
 [[ -n "${DIVISION:-}" ]] && OVERRIDES+=("mlperf.division=$DIVISION")

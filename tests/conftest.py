@@ -133,6 +133,11 @@ NIGHTLY = {
         "launch/test_slurm_real.py (srun and sbatch on the real Slurm's two nodes) and "
         "launch/test_hosts_netns.py::test_a_link_taken_down_mid_run_ends_the_job_naming_the_host (a job across the "
         "hosts, its link cut: the same watchdog messages)",
+    "launch/test_slurm_real.py::test_weak_submission_on_two_nodes[each]":
+        "launch/test_slurm_real.py::test_weak_submission_on_two_nodes[once] (the same weak submission on two nodes, "
+        "--relative, collected, checked and its staging removed; staged once per job) and "
+        "launch/test_slurm_real.py::test_strong_submission_and_a_repeated_job_id (each run staging into its own "
+        "STAGE_DIR/spatialcnn_<job>_<instance>_<split> under Slurm, the default)",
 }
 
 

@@ -17,8 +17,9 @@ times from the shared file system. Here (``stage(..., read_once=True)``):
    CPU (gloo) group to one rank of every node that lacks them (``comm.exchange``:
    point-to-point, sizes announced first by an all-gather of a JSON list, never a
    pickle); the receiving rank checks the checksum and writes the file via a temporary
-   name, its record (size, SHA-256) beside it under ``.staged/``; a thread reads the
-   next round's file meanwhile;
+   name, its record (size, SHA-256, the source file's path) beside it under
+   ``.staged/`` (a copy counts as held only for the same source file); a thread reads
+   the next round's file meanwhile;
 4. before returning, every node checks every file it needs: size and SHA-256 against
    the record made when the bytes came from the source; a failure on any node stops
    every rank with the files named (and removes them, so a rerun fetches them again).
@@ -81,16 +82,19 @@ def _record_path(dest: Path, rel: str) -> Path:
     return dest / RECORDS / f"{rel}.json"
 
 
-def _held(dest: Path, items: Sequence[str], splits: list[int] | None) -> dict[str, list]:
-    """Of ``items`` (paths relative to ``dest``), those present, of their record's size and
-    SHA-256 (and, for blocks, cut for the same split): {rel: [size, sha256]}. Reads every
-    file present (node-local storage): a copy that may serve other nodes must be sound."""
+def _held(dest: Path, items: dict[str, str], splits: list[int] | None) -> dict[str, list]:
+    """Of ``items`` (paths relative to ``dest`` -> the source file they come from), those
+    present, of their record's size and SHA-256, staged from that same source file (a
+    folder staged from another directory holds other samples under the same names) and,
+    for blocks, cut for the same split: {rel: [size, sha256]}. Reads every file present
+    (node-local storage): a copy that may serve other nodes must be sound."""
     held = {}
-    for rel in items:
+    for rel, source in items.items():
         rec, path = _record_path(dest, rel), dest / rel
         try:
             r = json.loads(rec.read_text(encoding="utf-8"))
-            if (path.stat().st_size == r["size"] and (splits is None or r.get("splits") == splits)
+            if (path.stat().st_size == r["size"] and r.get("source") == source
+                    and (splits is None or r.get("splits") == splits)
                     and _sha256_file(path) == r["sha256"]):
                 held[rel] = [r["size"], r["sha256"]]
         except (OSError, ValueError, KeyError):
@@ -174,8 +178,9 @@ def _cut_blocks(path: Path, grid: Any, wanted: list[tuple[int, int, int]], stora
     return images, nbytes
 
 
-def _write(dest: Path, rel: str, data: Any, sha: str, splits: list[int] | None) -> int:
-    """Write ``data`` at ``dest/rel`` via a temporary name, its record first; bytes written."""
+def _write(dest: Path, rel: str, data: Any, sha: str, splits: list[int] | None, source: str) -> int:
+    """Write ``data`` at ``dest/rel`` via a temporary name, its record first (with the
+    source file it came from); bytes written."""
     got = hashlib.sha256(data).hexdigest()
     if got != sha:
         raise StagingCheckError(f"{dest / rel}: received bytes have SHA-256 {got}, the reader's is {sha}")
@@ -184,13 +189,18 @@ def _write(dest: Path, rel: str, data: Any, sha: str, splits: list[int] | None) 
     rec.parent.mkdir(parents=True, exist_ok=True)
     size = memoryview(data).nbytes
     tmp = rec.with_name(f"{rec.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"size": size, "sha256": sha, "splits": splits}), encoding="utf-8")
+    tmp.write_text(json.dumps({"size": size, "sha256": sha, "splits": splits, "source": source}), encoding="utf-8")
     os.replace(tmp, rec)
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as fh:
         fh.write(data)
     os.replace(tmp, out)
     return size
+
+
+def _source_id(path: Path) -> str:
+    """The source file a staged copy's record names: its absolute path."""
+    return str(Path(path).resolve())
 
 
 def _sha256_file(path: Path) -> str:
@@ -226,8 +236,8 @@ def stage_read_once(files: list[Path], dest: Path, grid: Any, mode: str, local_s
     # 1. What each node needs and holds (one report per node: its first rank's).
     local_rank = nodes[me].index(grid.rank)
     mine = items_of(me, wanted)
-    report = {"wanted": sorted(set(wanted)), "held": _held(dest, [rel(x) for x in mine], splits)} \
-        if local_rank == 0 else None
+    sources = {rel(x): _source_id(files[x[0]]) for x in mine}
+    report = {"wanted": sorted(set(wanted)), "held": _held(dest, sources, splits)} if local_rank == 0 else None
     reports = _gather_json(report, group)
     need: dict[int, list] = {}  # node -> items it needs
     held: dict[int, dict[str, list]] = {}
@@ -309,15 +319,15 @@ def stage_read_once(files: list[Path], dest: Path, grid: Any, mode: str, local_s
                         elif writer == grid.rank and writer != reader:
                             buf = torch.empty(size, dtype=torch.uint8)
                             recvs.append((reader, buf))
-                            writes.append((name, buf, sha))
+                            writes.append((name, buf, sha, i))
                             counts["received_bytes"] += size
                         elif writer == grid.rank:
-                            writes.append((name, payloads[name], sha))
+                            writes.append((name, payloads[name], sha, i))
             comm.exchange(sends, recvs, group=group, caller="staging (read once)")
             t2 = time.perf_counter()
-            for name, data, sha in writes:
+            for name, data, sha, i in writes:
                 raw = data.numpy() if isinstance(data, torch.Tensor) else data
-                counts["bytes"] += _write(dest, name, raw, sha, splits)
+                counts["bytes"] += _write(dest, name, raw, sha, splits, _source_id(files[i]))
                 counts["files"] += 1
             t3 = time.perf_counter()
             counts["read_s"] += t1 - t0

@@ -129,8 +129,8 @@ def stage(source: str | os.PathLike, dest: str | os.PathLike, grid: Any,
         totals = comm.all_reduce_(torch.tensor(totals, dtype=torch.float64, device=device), group).tolist()
         slowest = torch.tensor([seconds], dtype=torch.float64, device=device)
         seconds_max = float(comm.all_reduce_(slowest, group, "max"))
-    log.info("staged %d files, %.1f MB in %.1f s on rank %d (all ranks: %d files, %.1f MB; %.1f MB read from "
-             "the source)", nfiles, nbytes / 1e6, seconds, grid.rank, totals[1], totals[0] / 1e6, totals[2] / 1e6)
+    log.info("staged %d files, %.1f MB in %.1f s on rank %d (all ranks: %d files, %.1f MB; %d bytes read from "
+             "the source)", nfiles, nbytes / 1e6, seconds, grid.rank, totals[1], totals[0] / 1e6, int(totals[2]))
     return StageReport(path=dest, bytes=nbytes, files=nfiles, seconds=seconds,
                        bytes_total=int(totals[0]), files_total=int(totals[1]), seconds_max=seconds_max,
                        source_bytes=source_bytes, source_bytes_total=int(totals[2]))

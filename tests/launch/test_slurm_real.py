@@ -192,21 +192,36 @@ def test_run_and_time_never_reports_a_log_it_did_not_write(slurm, data, tmp_path
     assert "mlperf.log was not written by this run" in proc.stderr
 
 
-def test_weak_submission_on_two_nodes(slurm, data, tmp_path):
-    """Two instances, one per node (srun --relative), staged and cleaned on each node."""
+@pytest.mark.parametrize("staging", ["once", "each"])
+def test_weak_submission_on_two_nodes(slurm, data, tmp_path, staging):
+    """Two instances, one per node (srun --relative), staged and cleaned on each node: each
+    its own copy (``each``), or (``once``, STAGE_ONCE=1) a staging step of the job reads the
+    files once in all, a checked copy on each node, and the instances read nothing."""
     stage = tmp_path / "stage"
     results = tmp_path / "results"
     env = _env(slurm, tmp_path, RANKS_PER_NODE="1", CORES_PER_NODE="1", SPATIAL="[1,1,1]", NODES_PER_INSTANCE="1",
-               DATA_DIR=str(data), RESULTS_DIR=str(results), STAGE_DIR=str(stage), SEED="40")
+               DATA_DIR=str(data), RESULTS_DIR=str(results), STAGE_DIR=str(stage), SEED="40",
+               STAGE_ONCE=str(int(staging == "once")))
     proc, job = _submit(slurm, env, "--system", "local", "--mode", "weak", "--instances", "2")
     _, out = _console(job)
     print(out[-6000:])
     assert proc.returncode == 0 and "sbatch -N 2 " in proc.stdout
     logdir = ROOT / "runs" / f"{SYSTEM}_weak_{job}"
+    size, read = sum(p.stat().st_size for p in (data / "train").glob("*.h5")), []  # smoke: val is train/
     for i, node in enumerate(("n1", "n2")):
         console = next(logdir.glob(f"slurm_*_{i}.log")).read_text()
         assert f"--relative={i}" in console and re.search(rf"INFO placement: 1 ranks on 1 node\(s\).*{node}: ranks 0",
                                                          console)
+        staged = re.findall(r"all ranks: (\d+) files, [\d.]+ MB; (\d+) bytes read from the source", console)
+        read += [int(b) for _, b in staged]  # train and val; once: every file found there and checked
+        assert len(staged) == 2 and (staging == "each" or {f for f, _ in staged} == {"0"}), staged
+    if staging == "once":  # the step's report: the files read once, a copy written on each node
+        (line,) = [x for x in next(logdir.glob("stage_*.log")).read_text().splitlines() if x.startswith("stage: ")]
+        report = json.loads(line[len("stage: "):])
+        assert report["nodes"] == 2 and report["source_bytes"] == size and report["splits"]["val"]["source_bytes"] == 0
+        assert report["splits"]["train"]["bytes_written"] == 2 * size and sum(read) == 0, (report, read)
+    else:  # each instance read the set again
+        assert all(b > 0 for b in read) and sum(read) >= 2 * size
     found = sorted((results / "spatialcnn" / "results" / SYSTEM / "weak" / "cosmoflow").glob("result_*.txt"))
     assert len(found) == 2 and all(compliant(p) for p in found)
     assert "collect: weak scaling: 2/2 models passed" in out
