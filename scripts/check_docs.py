@@ -272,7 +272,7 @@ def run(cmd: Command, workdir: Path) -> tuple[bool, float, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", SPATIALCNN_SKIP_SETUP="1", **cmd.rule.env)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # this environment's python, torchrun
     if cmd.rule.slurm:
-        env["PATH"] = f"{REPO / 'tests' / 'slurm'}{os.pathsep}{env['PATH']}"
+        env["PATH"] = f"{REPO / 'tests' / 'support' / 'slurm'}{os.pathsep}{env['PATH']}"
     text = small(cmd)
     fixtures(workdir, text, env)
     t0 = time.monotonic()

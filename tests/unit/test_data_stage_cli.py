@@ -33,3 +33,18 @@ def test_splits_map_source_folders_to_destination_folders(tmp_path):
     assert _pairs(src / "train", dest, []) == [("", src / "train", dest)]
     with pytest.raises(FileNotFoundError, match="is not a directory"):
         _pairs(src, dest, ["test"])
+
+
+def test_a_copy_counts_as_held_only_for_the_source_file_it_came_from(tmp_path):
+    """Two splits' folders hold files of the same names: a copy staged from val/ is not
+    train/'s (read-once staging would skip fetching it and train on the wrong samples)."""
+    import hashlib
+
+    from parallel.data.readonce import _held, _source_id, _write
+
+    data = b"sample bytes"
+    sha = hashlib.sha256(data).hexdigest()
+    train, val = tmp_path / "train" / "s0.h5", tmp_path / "val" / "s0.h5"
+    _write(tmp_path / "dest", "s0.h5", data, sha, None, _source_id(val))
+    assert _held(tmp_path / "dest", {"s0.h5": _source_id(train)}, None) == {}
+    assert _held(tmp_path / "dest", {"s0.h5": _source_id(val)}, None) == {"s0.h5": [len(data), sha]}
