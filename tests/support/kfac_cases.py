@@ -35,6 +35,21 @@ def build() -> nn.Module:
     ).double()
 
 
+def model_and_opt(**kw: Any) -> tuple[nn.Module, KFAC]:
+    """``build()`` seeded and a single-process float64 K-FAC on it (``kw``: settings over ``settings()``)."""
+    torch.manual_seed(0)
+    model = build()
+    cfg = KFACConfig(**{**settings(), "factor_dtype": "float64", "inverse_dtype": "float64", **kw})
+    return model, KFAC(model, None, cfg, lr=0.1, momentum=0.9)
+
+
+def sample_batch(seed: int = 1, n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` float64 inputs of ``SHAPE``'s sample and 3-value targets, drawn from ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, *SHAPE[1:], dtype=torch.float64, generator=gen),
+            torch.randn(n, 3, dtype=torch.float64, generator=gen))
+
+
 def build_unet() -> nn.Module:
     """A U-Net-like stack with a voxel-wise output: no bias, a stride-2 k2 conv down, a k2 s2
     transposed conv up, an even kernel with 'same' padding, a 1x1x1 head."""

@@ -28,19 +28,6 @@ def test_grid_of_one_rank_equals_reference():
     assert len(r["layers"]) == 7
 
 
-def _model_and_opt(**kw):
-    torch.manual_seed(0)
-    model = kfac_cases.build()
-    cfg = KFACConfig(**{**kfac_cases.settings(), "factor_dtype": "float64", "inverse_dtype": "float64", **kw})
-    return model, KFAC(model, None, cfg, lr=0.1, momentum=0.9)
-
-
-def _data(seed=1, n=4):
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(n, *kfac_cases.SHAPE[1:], dtype=torch.float64, generator=gen),
-            torch.randn(n, 3, dtype=torch.float64, generator=gen))
-
-
 def _step(model, opt, x, y, pieces=1):
     opt.zero_grad()
     for xm, ym in zip(torch.tensor_split(x, pieces), torch.tensor_split(y, pieces)):
@@ -57,19 +44,19 @@ def _close(a, b):
 
 
 def test_accumulated_micro_batches_equal_one_batch():
-    m1, o1 = _model_and_opt()
-    m2, o2 = _model_and_opt()
+    m1, o1 = kfac_cases.model_and_opt()
+    m2, o2 = kfac_cases.model_and_opt()
     for seed in (1, 2, 3):
-        x, y = _data(seed)
+        x, y = kfac_cases.sample_batch(seed)
         _step(m1, o1, x, y)
         _step(m2, o2, x, y, pieces=2)  # loss / accum per micro-batch, as the loop does
     assert _close(m1, m2) < 1e-12
 
 
 def test_zero_grad_drops_statistics_of_a_step_not_taken():
-    m1, o1 = _model_and_opt()
-    m2, o2 = _model_and_opt()
-    x, y = _data(1)
+    m1, o1 = kfac_cases.model_and_opt()
+    m2, o2 = kfac_cases.model_and_opt()
+    x, y = kfac_cases.sample_batch(1)
     o2.zero_grad()
     ((m2(x * 3) - y) ** 2).mean().backward()  # e.g. a step dropped for non-finite gradients
     _step(m1, o1, x, y)
@@ -78,9 +65,9 @@ def test_zero_grad_drops_statistics_of_a_step_not_taken():
 
 
 def test_forwards_without_backward_or_in_eval_capture_nothing():
-    m1, o1 = _model_and_opt()
-    m2, o2 = _model_and_opt()
-    x, y = _data(1)
+    m1, o1 = kfac_cases.model_and_opt()
+    m2, o2 = kfac_cases.model_and_opt()
+    x, y = kfac_cases.sample_batch(1)
     o2.zero_grad()
     m2(x * 2)  # a forward that no backward follows
     m2.eval()
@@ -96,21 +83,21 @@ def test_forwards_without_backward_or_in_eval_capture_nothing():
 def test_recomputed_blocks_give_the_same_steps():
     from parallel.model.recompute import checkpoint_blocks
 
-    m1, o1 = _model_and_opt()
-    m2, o2 = _model_and_opt()
+    m1, o1 = kfac_cases.model_and_opt()
+    m2, o2 = kfac_cases.model_and_opt()
     assert checkpoint_blocks(m2) > 0
     for seed in (1, 2):
-        x, y = _data(seed)
+        x, y = kfac_cases.sample_batch(seed)
         _step(m1, o1, x, y)
         _step(m2, o2, x, y)
     assert _close(m1, m2) < 1e-12
 
 
 def test_a_deep_copy_of_the_model_captures_nothing_into_the_optimiser():
-    m1, o1 = _model_and_opt()
-    m2, o2 = _model_and_opt()
+    m1, o1 = kfac_cases.model_and_opt()
+    m2, o2 = kfac_cases.model_and_opt()
     twin = copy.deepcopy(m2)
-    x, y = _data(1)
+    x, y = kfac_cases.sample_batch(1)
     o2.zero_grad()
     ((twin(x * 4) - y) ** 2).mean().backward()
     ((m2(x) - y) ** 2).mean().backward()
@@ -127,18 +114,18 @@ def test_without_preconditioned_layers_it_is_sgd():
     o2 = torch.optim.SGD(m2.parameters(), lr=0.1, momentum=0.9)
     assert o1.layers == []
     for seed in (1, 2):
-        x, y = _data(seed)
+        x, y = kfac_cases.sample_batch(seed)
         _step(m1, o1, x, y)
         _step(m2, o2, x, y)
     assert _same(m1, m2)
 
 
 def test_fp16_grad_scale_is_taken_out_of_the_factors():
-    m1, o1 = _model_and_opt()
-    m2, o2 = _model_and_opt()
+    m1, o1 = kfac_cases.model_and_opt()
+    m2, o2 = kfac_cases.model_and_opt()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     o2.grad_scaler = scaler
-    x, y = _data(1)
+    x, y = kfac_cases.sample_batch(1)
     _step(m1, o1, x, y)
     o2.zero_grad()
     scaler.scale(((m2(x) - y) ** 2).mean()).backward()
@@ -209,10 +196,10 @@ def test_patch_sums_in_chunks_equal_the_whole():
 
 
 def test_state_round_trips_with_weights_only_and_resumes():
-    m1, o1 = _model_and_opt()
-    m2, o2 = _model_and_opt()
+    m1, o1 = kfac_cases.model_and_opt()
+    m2, o2 = kfac_cases.model_and_opt()
     for seed in (1, 2, 3):
-        _step(m1, o1, *_data(seed))
+        _step(m1, o1, *kfac_cases.sample_batch(seed))
     buf = io.BytesIO()
     torch.save({"model": m1.state_dict(), "optimizer": o1.state_dict()}, buf)
     state = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
@@ -222,14 +209,14 @@ def test_state_round_trips_with_weights_only_and_resumes():
     m2.load_state_dict(state["model"])
     o2.load_state_dict(state["optimizer"])
     for seed in (4, 5):
-        _step(m1, o1, *_data(seed))
-        _step(m2, o2, *_data(seed))
+        _step(m1, o1, *kfac_cases.sample_batch(seed))
+        _step(m2, o2, *kfac_cases.sample_batch(seed))
     assert _same(m1, m2)
 
 
 def test_state_of_another_shape_or_from_sgd(caplog):
-    m1, o1 = _model_and_opt()
-    _step(m1, o1, *_data(1))
+    m1, o1 = kfac_cases.model_and_opt()
+    _step(m1, o1, *kfac_cases.sample_batch(1))
     state = o1.state_dict()
     state["kfac"]["layers"]["2.weight"]["A"] = torch.zeros(3, 3)
     with pytest.raises(ValueError, match=r"kfac state of '2.weight': A has shape \(3, 3\), but the layer needs \(109, 109\)"):
@@ -243,7 +230,7 @@ def test_state_of_another_shape_or_from_sgd(caplog):
 def test_costs_match_the_optimiser_and_spread_the_inverses():
     from cosmoflow.model import CosmoFlow, CosmoFlowConfig
 
-    model, opt = _model_and_opt()
+    model, opt = kfac_cases.model_and_opt()
     costs = kfac_costs(model, kfac_cases.SHAPE, opt.cfg)
     assert [c["name"] for c in costs.layers] == [layer.name for layer in opt.layers]
     assert costs.linear_allreduce_bytes == 0 and costs.broadcast_bytes > 0
@@ -265,9 +252,9 @@ def test_costs_match_the_optimiser_and_spread_the_inverses():
 def test_auto_precision_follows_the_weights_and_explicit_settings_win():
     # train.precision=fp64 builds float64 weights: K-FAC's factors and inverses follow them
     # unless factor_dtype / inverse_dtype are set.
-    model, opt = _model_and_opt(factor_dtype="auto", inverse_dtype="auto")
+    model, opt = kfac_cases.model_and_opt(factor_dtype="auto", inverse_dtype="auto")
     assert (opt.factor_dtype, opt.inverse_dtype) == (torch.float64, torch.float64)
-    _step(model, opt, *_data(1))
+    _step(model, opt, *kfac_cases.sample_batch(1))
     assert all(t.dtype == torch.float64 for pair in opt.factors.values() for t in pair)
     assert all(t.dtype == torch.float64 for pair in opt.eigen.values() for e in pair for t in e)
     single = KFAC(kfac_cases.build().float(), None, KFACConfig(), lr=0.1)

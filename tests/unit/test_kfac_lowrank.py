@@ -12,19 +12,6 @@ import kfac_cases
 from parallel.kfac import KFAC, KFACConfig
 
 
-def _model_and_opt(**kw):
-    torch.manual_seed(0)
-    model = kfac_cases.build()
-    cfg = KFACConfig(**{**kfac_cases.settings(), "factor_dtype": "float64", "inverse_dtype": "float64", **kw})
-    return model, KFAC(model, None, cfg, lr=0.1, momentum=0.9)
-
-
-def _data(seed=1, n=4):
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(n, *kfac_cases.SHAPE[1:], dtype=torch.float64, generator=gen),
-            torch.randn(n, 3, dtype=torch.float64, generator=gen))
-
-
 def _step(model, opt, x, y):
     opt.zero_grad()
     ((model(x) - y) ** 2).mean().backward()
@@ -62,10 +49,10 @@ def test_low_rank_factors_at_full_rank_equal_dense_kfac(caplog):
 @pytest.mark.parametrize("flat_blocks", [[], [2, 2, 1]], ids=["diagonal", "hierarchical"])
 def test_low_rank_state_round_trips_and_resumes(flat_blocks):
     kw = dict(max_factor_dim=20, rank=12, oversample=4, flat_blocks=flat_blocks)
-    m1, o1 = _model_and_opt(**kw)
-    m2, o2 = _model_and_opt(**kw)
+    m1, o1 = kfac_cases.model_and_opt(**kw)
+    m2, o2 = kfac_cases.model_and_opt(**kw)
     for seed in (1, 2, 3):
-        _step(m1, o1, *_data(seed))
+        _step(m1, o1, *kfac_cases.sample_batch(seed))
     buf = io.BytesIO()
     torch.save({"model": m1.state_dict(), "optimizer": o1.state_dict()}, buf)
     state = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
@@ -81,12 +68,12 @@ def test_low_rank_state_round_trips_and_resumes(flat_blocks):
     o2.load_state_dict(state["optimizer"])  # hierarchical: held until a forward shows the volume
     assert sorted(o2.pending) == (["11.weight"] if flat_blocks else [])
     for seed in (4, 5):  # step 4 uses the loaded low-rank forms and cores, step 5 recomputes them
-        _step(m1, o1, *_data(seed))
-        _step(m2, o2, *_data(seed))
+        _step(m1, o1, *kfac_cases.sample_batch(seed))
+        _step(m2, o2, *kfac_cases.sample_batch(seed))
     assert _same(m1, m2)
     if flat_blocks:
         return
-    m3, o3 = _model_and_opt(max_factor_dim=20, rank=10, oversample=4)
+    m3, o3 = kfac_cases.model_and_opt(max_factor_dim=20, rank=10, oversample=4)
     with pytest.raises(ValueError, match=r"'0.weight': A has shape \(55, 17\), but the layer needs \(55, 15\) "
                                          r"\(a low-rank factor: kfac.rank and kfac.oversample as saved\)"):
         o3.load_state_dict(state["optimizer"])
