@@ -7,6 +7,7 @@ equals the serial K-FAC step at any spatial x data grid (``docs/kfac.md``).
 
 from parallel.kfac.config import Dtype, KFACConfig
 from parallel.kfac.costs import KFACCosts, kfac_costs
+from parallel.kfac.layers import shard_policy
 from parallel.kfac.optimizer import KFAC
 
-__all__ = ["KFAC", "KFACConfig", "KFACCosts", "Dtype", "kfac_costs"]
+__all__ = ["KFAC", "KFACConfig", "KFACCosts", "Dtype", "kfac_costs", "shard_policy"]

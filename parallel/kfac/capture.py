@@ -14,7 +14,8 @@ What each layer kind reads, per rank:
 - ``ConvTranspose3d`` (both): A from its input block; G from the gradient of its partial
   output (spatial: before the overlaps are summed into owners, ``window_hook``);
 - ``Linear``: its (N, features) input and output gradient, raw; ``SpatialLinear``: its
-  block, placed into a zero (N, features) row so that a sum over space assembles it.
+  block, placed into a zero (N, features) row so that a sum over space assembles it (a
+  sharded weight held local to the blocks: the block's own features, ``parallel.kfac.local``).
 
 Hooks are closures that look the module up by identity, so a deep copy of the model
 (which copies hooks) captures nothing into this optimiser.
@@ -108,6 +109,8 @@ class Recorder:
         elif layer.kind == "convT":
             cap.grad_pads = transposed_grad_pads(geometry[0], geometry[1])
             self._hook_output(layer, cap, t)
+        elif layer.own is not None:  # a sharded SpatialLinear: the block's own features (parallel.kfac.local)
+            cap.a = t.detach().flatten(1)
         else:  # SpatialLinear: the block in its place in the flattened features
             dims = geometry[0]
             full = t.new_zeros(t.shape[0], t.shape[1], *dims)

@@ -94,7 +94,9 @@ class KFACConfig:
     """``[sd, sh, sw]``: a Flatten+Linear whose A is wider than ``max_factor_dim`` holds it in
     the hierarchical form, the blocks of this split of its input volume as dense diagonal
     blocks plus the low-rank coupling (``lowrank.Blocked``); empty: low rank plus diagonal.
-    A setting, not the grid's split, so that every grid computes the same form."""
+    A setting, not the grid's split, so that every grid computes the same form; where it
+    matches or refines the grid's split, the weight is sharded and each rank holds only its
+    own blocks (``parallel.kfac.local``)."""
     rank_tol: float = 0.0
     """Eigenvalues of a low-rank factor below this times its largest are dropped (their
     mass goes to the diagonal; 0: none); the kept rank is logged at each inverse update."""

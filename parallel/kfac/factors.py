@@ -54,31 +54,64 @@ def packed_size(n: int) -> int:
 
 
 def _linear_rows(layers: list[Layer], dtype: torch.dtype, spatial_group: Any, spatial_size: int
-                 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Each linear layer's (features, output gradients), summed over the spatial group."""
-    rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+                 ) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """Each linear layer's (features, output gradients), summed over the spatial group; a
+    Flatten+Linear held local to its blocks keeps its block's features and gets the rows'
+    ``a^T Omega`` summed instead (``parallel.kfac.local``), the third entry."""
+    rows: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
     for i, layer in enumerate(layers):
         if not layer.replicated:
             continue
-        dim_in = layer.dim_a - (layer.bias is not None)
+        dim_in = layer.dim_a - (layer.bias is not None) if layer.own is None else layer.own.cols.numel()
         device = layer.weight.device
         a = torch.cat(layer.lin_a).to(dtype) if layer.lin_a else torch.zeros(0, dim_in, dtype=dtype, device=device)
         g = torch.cat(layer.lin_g).to(dtype) if layer.lin_g else torch.zeros(0, layer.dim_g, dtype=dtype,
                                                                              device=device)
-        rows[i] = (a, g)
+        t = None if layer.own is None else a @ layer.omega[layer.own.cols].to(dtype)  # type: ignore[index]
+        rows[i] = (a, g, t)
     if spatial_size > 1 and rows:
         # Plain Linear layers' features are replicated already; only their gradients need the sum.
-        parts = [t for i, (a, g) in rows.items() for t in ((a, g) if layers[i].kind == "flat" else (g,))]
-        flat = comm.all_reduce_(torch.cat([t.reshape(-1) for t in parts]), spatial_group)
+        def summed(i: int, a: torch.Tensor, g: torch.Tensor, t: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+            return (g,) if layers[i].kind != "flat" else (t, g) if t is not None else (a, g)
+
+        parts = [x for i, (a, g, t) in rows.items() for x in summed(i, a, g, t)]
+        flat = comm.all_reduce_(torch.cat([x.reshape(-1) for x in parts]), spatial_group)
         offset, out = 0, {}
-        for i, (a, g) in rows.items():
+        for i, (a, g, t) in rows.items():
             pieces = []
-            for t in ((a, g) if layers[i].kind == "flat" else (g,)):
-                pieces.append(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
-            out[i] = (pieces[0], pieces[1]) if layers[i].kind == "flat" else (a, pieces[0])
+            for x in summed(i, a, g, t):
+                pieces.append(flat[offset:offset + x.numel()].view_as(x))
+                offset += x.numel()
+            if layers[i].kind != "flat":
+                out[i] = (a, pieces[0], None)
+            else:
+                out[i] = (a, pieces[1], pieces[0]) if t is not None else (pieces[0], pieces[1], None)
         rows = out
     return rows
+
+
+def _local_sums(layer: Layer, a: torch.Tensor, t: torch.Tensor, spatial: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Flatten+Linear held local to its blocks: this rank's part of the whole sketch
+    ``[A Omega | diag(A)]`` (its features' rows; the bias row, which every rank forms alike,
+    as 1 / spatial of it), flattened, and its own blocks' Gram sums (triangles, the bias
+    block's last)."""
+    own = layer.own
+    assert own is not None and layer.omega is not None
+    om = layer.omega.to(a.dtype)
+    bias = layer.bias is not None
+    if bias:
+        t = t + om[-1]  # each row's bias feature, 1, times Omega's bias row
+    d, m = layer.dim_a, om.shape[1]
+    sketch = a.new_zeros(d, m + 1)
+    sketch[own.cols, :m] = a.t() @ t
+    sketch[own.cols, m] = (a * a).sum(0)
+    if bias:
+        sketch[d - 1, :m] = t.sum(0) / spatial
+        sketch[d - 1, m] = a.shape[0] / spatial
+    grams = [pack(a[:, p].t() @ a[:, p]) for p in own.pos[:len(own.pos) - own.shared]]
+    if bias:
+        grams.append(a.new_full((1,), float(a.shape[0])))
+    return sketch.reshape(-1), torch.cat(grams)
 
 
 def reduce_factors(layers: list[Layer], dtype: torch.dtype, grid: Any, grad_scale: float = 1.0
@@ -89,10 +122,17 @@ def reduce_factors(layers: list[Layer], dtype: torch.dtype, grid: Any, grad_scal
     data = grid.data_size if grid is not None else 1
     lin = _linear_rows(layers, dtype, grid.spatial_group if grid is not None else None, spatial)
     parts: list[torch.Tensor] = []
+    local: list[torch.Tensor] = []  # the own diagonal blocks of layers held local to them: summed over data
     for i, layer in enumerate(layers):
         device = layer.weight.device
-        if layer.replicated:
-            a, g = lin[i]
+        a_share = None
+        if layer.own is not None:
+            a, g, t = lin[i]
+            a_sum, grams = _local_sums(layer, a, t, spatial)  # type: ignore[arg-type]
+            local.append(grams)
+            g_sum, count, share, a_share = _rows_sum(layer, "G", g), float(a.shape[0]), 1.0 / spatial, 1.0
+        elif layer.replicated:
+            a, g, _ = lin[i]
             if layer.bias is not None:
                 a = torch.cat([a, a.new_ones(a.shape[0], 1)], dim=1)
             a_sum, g_sum = _rows_sum(layer, "A", a), _rows_sum(layer, "G", g)
@@ -104,7 +144,8 @@ def reduce_factors(layers: list[Layer], dtype: torch.dtype, grid: Any, grad_scal
                                                                             device=device)
             count, share = layer.a_count, 1.0
         g_scale = share * layer.rows / data / grad_scale**2
-        parts += [_pack(layer, "A", a_sum.to(dtype)) * share, torch.tensor([count * share], dtype=dtype, device=device),
+        a_part = _pack(layer, "A", a_sum.to(dtype)) * (share if a_share is None else a_share)
+        parts += [a_part, torch.tensor([count * share], dtype=dtype, device=device),
                   _pack(layer, "G", g_sum.to(dtype)) * g_scale]
     if not parts:
         return []
@@ -114,10 +155,15 @@ def reduce_factors(layers: list[Layer], dtype: torch.dtype, grid: Any, grad_scal
         starts.append(offset)
         offset += _size(layer, "A") + 1 + _size(layer, "G")
     counts = flat[[s + _size(layer, "A") for s, layer in zip(starts, layers)]].tolist()  # one sync
+    if local and data > 1:
+        blocks = comm.all_reduce_(torch.cat(local), grid.data_group)
+        local = list(torch.split(blocks, [x.numel() for x in local]))
     out: list[tuple[torch.Tensor, torch.Tensor] | None] = []
     for s, count, layer in zip(starts, counts, layers):
         na, ng = _size(layer, "A"), _size(layer, "G")
         a, g = flat[s:s + na], flat[s + na + 1:s + na + 1 + ng]
+        if layer.own is not None:
+            a = torch.cat([a, local.pop(0)])
         out.append((_unpack(layer, "A", a) / count, _unpack(layer, "G", g)) if count > 0 else None)
     return out
 
@@ -134,6 +180,8 @@ def _rows_sum(layer: Layer, side: str, rows: torch.Tensor) -> torch.Tensor:
 
 def _size(layer: Layer, side: str) -> int:
     """Values side ``side``'s factor takes in the all-reduce: an upper triangle, or a whole sketch."""
+    if side == "A" and layer.own is not None:  # the sketch only: the own blocks are summed over data
+        return layer.dim_a * (layer.omega.shape[1] + 1)  # type: ignore[union-attr]
     shape = layer.shape(side)
     return math.prod(shape) if side == layer.wide else packed_size(shape[0])
 

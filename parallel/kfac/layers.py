@@ -17,12 +17,13 @@ from __future__ import annotations
 import fnmatch
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
 from torch import nn
 
 from parallel.kfac.config import KFACConfig
+from parallel.kfac.local import Own, own as own_blocks, refines, sharding_policy
 from parallel.layers.linear import SpatialLinear
 
 Kind = Literal["conv", "convT", "linear", "flat"]
@@ -56,6 +57,8 @@ class Layer:
     # once a forward has shown the flattened (C, D, H, W), each diagonal block's features
     split: tuple[int, int, int] | None = None
     blocks: list[torch.Tensor] | None = None
+    # ... and where its weight is sharded by block, the blocks this rank holds (``parallel.kfac.local``)
+    own: Own | None = None
 
     def see_volume(self, shape: tuple[int, ...]) -> None:
         """The flattened input's (C, D, H, W): fixes the diagonal blocks of a hierarchical A."""
@@ -72,6 +75,17 @@ class Layer:
         if self.dim_a > pos.numel():  # the bias feature: a block of its own
             blocks.append(torch.arange(pos.numel(), self.dim_a))
         self.blocks = [b.to(self.weight.device) for b in blocks]
+        shard = getattr(self.module, "shard", None)
+        if shard is not None:  # the rank's features: its block of the volume, ascending (the shard's columns)
+            (d0, d1), (h0, h1), (w0, w1) = shard.ranges
+            cols = pos[:, d0:d1, h0:h1, w0:w1].reshape(-1).to(self.weight.device)
+            self.own = own_blocks(self.blocks, cols, self.dim_a > pos.numel())
+
+    @property
+    def leaves(self) -> list[torch.Tensor]:
+        """The diagonal blocks of a hierarchical A this rank holds: all, or its own."""
+        blocks = self.blocks or []
+        return blocks if self.own is None else [blocks[j] for j in self.own.blocks]
 
     def dim(self, side: str) -> int:
         return self.dim_a if side == "A" else self.dim_g
@@ -80,7 +94,8 @@ class Layer:
         """The shape of side ``side``'s factor as kept: dense (d, d) or a sketch (d, m + 1)."""
         d = self.dim(side)
         if side == self.wide and self.blocks is not None and side == "A":  # sketch, then the blocks' triangles
-            return (d * (self.omega.shape[1] + 1) + sum(len(b) * (len(b) + 1) // 2 for b in self.blocks),)  # type: ignore[union-attr]
+            held = self.blocks if self.own is None else [self.blocks[i] for i in self.own.blocks]
+            return (d * (self.omega.shape[1] + 1) + sum(len(b) * (len(b) + 1) // 2 for b in held),)  # type: ignore[union-attr]
         return (d, self.omega.shape[1] + 1) if side == self.wide and self.omega is not None else (d, d)
 
     @property
@@ -133,10 +148,17 @@ def serial_type(module: nn.Module) -> str:
     return next(c.__name__ for c in type(module).__mro__ if c.__module__.startswith("torch.nn"))
 
 
-def _dims(module: nn.Module) -> tuple[Kind, int, int] | str:
+def _dims(module: nn.Module, cfg: KFACConfig) -> tuple[Kind, int, int] | str:
     """(kind, dim A, dim G), or why the layer is not preconditioned."""
     if isinstance(module, SpatialLinear) and module.shard is not None:
-        return "its weight is sharded by block (parallelize's input_shape): no rank holds the whole gradient"
+        dim_a = module.in_features + (module.bias is not None)
+        spatial = module.grid.spatial  # type: ignore[attr-defined]
+        if _local(dim_a, module.out_features, cfg) and refines(cfg.flat_blocks, spatial, module.shard.dims):
+            return "flat", dim_a, module.out_features
+        return (f"its weight is sharded by block (parallelize's input_shape): K-FAC preconditions a sharded "
+                f"weight only with its A (here {dim_a} wide) above kfac.max_factor_dim {cfg.max_factor_dim} "
+                f"held hierarchically with kfac.flat_blocks matching or refining the split (got "
+                f"{list(cfg.flat_blocks)}, parallel.spatial {list(spatial)}, volume {list(module.shard.dims)})")
     if isinstance(module, SpatialLinear):
         if tuple(module.weight.shape) != (module.out_features, module.in_features):
             # a rank holding only its columns: the factors and update need the whole weight
@@ -155,6 +177,42 @@ def _dims(module: nn.Module) -> tuple[Kind, int, int] | str:
     return "not a Conv3d, ConvTranspose3d or Linear"
 
 
+def _local(dim_a: int, dim_g: int, cfg: KFACConfig) -> bool:
+    """Whether a Flatten+Linear of these widths holds its A hierarchically (so it can hold it
+    local to the blocks of a sharded weight)."""
+    return bool(cfg.flat_blocks) and str(cfg.wide_factors) == "lowrank" and dim_a > cfg.max_factor_dim >= dim_g
+
+
+def _chosen(name: str, module: nn.Module, cfg: KFACConfig) -> str | None:
+    """Why ``include``, ``exclude`` or a frozen weight leave the layer out, or None."""
+    kind = serial_type(module)
+    if cfg.include and not any(fnmatch.fnmatchcase(name, p) for p in cfg.include):
+        return f"{kind}: not matched by kfac.include {list(cfg.include)}"
+    hit = next((p for p in cfg.exclude if fnmatch.fnmatchcase(name, p)), None)
+    if hit is not None:
+        return f"{kind}: matched by kfac.exclude '{hit}'"
+    if not module.weight.requires_grad:  # type: ignore[union-attr]
+        return f"{kind}: frozen weight"
+    return None
+
+
+def holds_locally(cfg: KFACConfig) -> Callable[[str, nn.Module], bool]:
+    """``selected(name, module)`` of ``local.shard_policy``: K-FAC preconditions the (whole)
+    Flatten+Linear ``module`` with its A in the hierarchical form."""
+    def selected(name: str, module: nn.Module) -> bool:
+        return isinstance(module, SpatialLinear) and _chosen(name, module, cfg) is None and \
+            _local(module.in_features + (module.bias is not None), module.out_features, cfg)
+    return selected
+
+
+def shard_policy(cfg: KFACConfig) -> Callable[[str, nn.Module, tuple[int, ...]], bool]:
+    """``parallelize``'s ``shard_linear`` under K-FAC: a Flatten+Linear's weight is sharded
+    by block where K-FAC holds its A in the hierarchical form and ``flat_blocks`` matches or
+    refines the grid's split of the flattened volume (its diagonal blocks then stay on their
+    ranks, ``parallel.kfac.local``); every other one stays whole."""
+    return sharding_policy(holds_locally(cfg), list(cfg.flat_blocks))
+
+
 def find_layers(model: nn.Module, cfg: KFACConfig) -> tuple[list[Layer], list[tuple[str, str]]]:
     """The layers to precondition (model order) and the skipped ones with the reason."""
     layers: list[Layer] = []
@@ -163,17 +221,11 @@ def find_layers(model: nn.Module, cfg: KFACConfig) -> tuple[list[Layer], list[tu
         if not isinstance(module, (nn.Linear, nn.Conv3d, nn.ConvTranspose3d)):
             continue
         kind = serial_type(module)
-        if cfg.include and not any(fnmatch.fnmatchcase(name, p) for p in cfg.include):
-            skipped.append((name, f"{kind}: not matched by kfac.include {list(cfg.include)}"))
+        why = _chosen(name, module, cfg)
+        if why is not None:
+            skipped.append((name, why))
             continue
-        hit = next((p for p in cfg.exclude if fnmatch.fnmatchcase(name, p)), None)
-        if hit is not None:
-            skipped.append((name, f"{kind}: matched by kfac.exclude '{hit}'"))
-            continue
-        if not module.weight.requires_grad:
-            skipped.append((name, f"{kind}: frozen weight"))
-            continue
-        dims = _dims(module)
+        dims = _dims(module, cfg)
         if isinstance(dims, str):
             skipped.append((name, f"{kind}: {dims}"))
             continue

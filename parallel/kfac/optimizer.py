@@ -26,10 +26,11 @@ from torch import nn
 from parallel.kfac.capture import Recorder
 from parallel.kfac.config import KFACConfig
 from parallel.kfac.factors import packed_size, reduce_factors, unpack
-from parallel.kfac import lowrank
+from parallel.kfac import local, lowrank, state
 from parallel.kfac.inverse import EIGH_FLOPS_PER_DIM3, Eigen, Item, eigen, precondition, spread
 from parallel.kfac.lowrank import NYSTROM_FLOPS_PER_DM2, Blocked, Structured, nystrom, omega, sketch_width
 from parallel.kfac.layers import Layer, find_layers, serial_type
+from parallel.kfac.local import LocalBlocked
 from parallel.model.parallel_module import ParallelModule
 
 log = logging.getLogger("parallel.kfac")
@@ -80,6 +81,8 @@ class KFAC(torch.optim.SGD):
         self.last_nu: torch.Tensor | None = None
         self.pending: dict[str, dict[str, torch.Tensor]] = {}  # loaded before a forward showed the blocks
         self.flatten_hooks = self._watch_flattens(module)
+        self._accept_shards()
+        self.logged: set[str] = set()  # hierarchical layers whose blocks' memory was logged
         self.recorder = Recorder(self.layers, self.cfg, self.factor_dtype)
         self.recorder.arm(self.captures(self.steps))
 
@@ -102,6 +105,16 @@ class KFAC(torch.optim.SGD):
             log.info("kfac: no layer takes the plain update for its width (%d held low rank)",
                      sum(layer.wide is not None for layer in self.layers))
 
+    def _accept_shards(self) -> None:
+        """A hierarchical Flatten+Linear whose weight is still whole is sharded at its first
+        forward where ``flat_blocks`` matches or refines the grid's split of its volume: its
+        diagonal blocks are then held by the ranks that own their features
+        (``parallel.kfac.local``); elsewhere it stays whole, its features assembled."""
+        for layer in self.layers:
+            if layer.kind == "flat" and layer.split is not None and getattr(layer.module, "shard", None) is None:
+                layer.module.shard_policy = (  # type: ignore[assignment]
+                    lambda m, shape, split=layer.split: local.refines(split, m.grid.spatial, shape[1:]))
+
     def _watch_flattens(self, model: nn.Module) -> list[Any]:
         """Hooks on the Flatten before each hierarchical Linear (serial): its input's shape
         fixes the diagonal blocks (a SpatialLinear's window hook does it in a split model)."""
@@ -118,22 +131,10 @@ class KFAC(torch.optim.SGD):
         return handles
 
     def report(self) -> dict[str, Any]:
-        """What the run's summary shows of K-FAC: the layers, the low-rank factors' widths,
-        ranks (as set and as kept at the last inverse update) and memory per rank."""
-        size = torch.finfo(self.factor_dtype).bits // 8
-        wide: dict[str, Any] = {}
-        for layer in self.layers:
-            if layer.wide is None:
-                continue
-            d, other = layer.dim(layer.wide), layer.dim("G" if layer.wide == "A" else "A")
-            held = self.eigen.get(layer.key)
-            part = None if held is None else held[0 if layer.wide == "A" else 1]
-            wide[layer.name] = {"factor": layer.wide, "width": d, "rank": layer.rank,
-                                "kept": part.kept if isinstance(part, (Structured, Blocked)) else None,
-                                "blocks": len(layer.blocks) if isinstance(part, Blocked) else 0,
-                                "memory_bytes": size * lowrank.memory_elements(d, other, self.cfg.rank,
-                                                                               self.cfg.oversample)}
-        return {"preconditioned": len(self.layers), "low_rank": wide}
+        """What the run's summary shows of K-FAC (``state.report``): the layers, the low-rank
+        factors' widths, ranks (as set and as kept at the last inverse update), memory per
+        rank and a hierarchical A's diagonal blocks on this rank."""
+        return state.report(self.layers, self.eigen, self.cfg, self.factor_dtype, self.inverse_dtype)
 
     # -- the schedule of the work --------------------------------------------------------
     def captures(self, step: int) -> bool:
@@ -186,15 +187,20 @@ class KFAC(torch.optim.SGD):
             v = layer.grad_matrix()
             if eig is None or v is None:
                 continue
+            held = None
             if layer.wide is None:
                 p = precondition(v, eig[0], eig[1], cfg.damping)  # type: ignore[arg-type]
             else:
                 held, dense = (eig[0], eig[1]) if layer.wide == "A" else (eig[1], eig[0])
-                if isinstance(held, Blocked):
+                if isinstance(held, LocalBlocked):
+                    p = local.precondition(v, held, dense, self.cores[layer.key], cfg.damping)  # type: ignore[arg-type]
+                elif isinstance(held, Blocked):
                     p = lowrank.blocked_precondition(v, held, dense, self.cores[layer.key], cfg.damping)  # type: ignore[arg-type]
                 else:
                     p = lowrank.precondition(v, layer.wide, held, dense, self.cores[layer.key], cfg.damping)  # type: ignore[arg-type]
-            term = (p * v.to(p.dtype)).sum() * lr_of[id(layer.weight)] ** 2
+            # a weight sharded by block holds its columns only: its term is summed over the spatial group
+            inner = local.inner(p, v, held) if isinstance(held, LocalBlocked) else (p * v.to(p.dtype)).sum()
+            term = inner * lr_of[id(layer.weight)] ** 2
             vg = term if vg is None else vg + term
             done.append((layer, p))
         if not done:
@@ -202,9 +208,8 @@ class KFAC(torch.optim.SGD):
             return
         nu = torch.ones((), dtype=done[0][1].dtype, device=done[0][1].device)
         # vg is global, so every rank clips alike: the preconditioned gradients are the
-        # synchronised (replicated) ones, the eigenbases are broadcast, and a weight sharded
-        # over the spatial group is never preconditioned (``layers._dims``), so no term
-        # holds one rank's piece only.
+        # synchronised (replicated) ones, the eigenbases are broadcast, and the term of a
+        # weight sharded over the spatial group is summed over it (``local.inner``).
         if cfg.kl_clip > 0:
             nu = torch.clamp(torch.sqrt(cfg.kl_clip / vg.abs()), max=1.0)  # type: ignore[union-attr]
         self.last_nu = nu
@@ -253,7 +258,7 @@ class KFAC(torch.optim.SGD):
         # per block, spread over the ranks like the factors (the blocks in parallel)
         blocks: list[Item] = []
         for i, layer in enumerate(have):
-            if self._hierarchical(layer):
+            if self._hierarchical(layer) and layer.own is None:  # (blocks held locally: below, by their owner)
                 u, lam = results[2 * i][0], results[2 * i][1]
                 for b, gram in zip(layer.blocks, self._grams(layer, self.factors[layer.key][0])):  # type: ignore[arg-type]
                     blocks.append(Item(float(len(b)) ** 3, lambda b=b, gram=gram, u=u, lam=lam: list(
@@ -264,8 +269,16 @@ class KFAC(torch.optim.SGD):
         for i, layer in enumerate(have):
             a, g = results[2 * i], results[2 * i + 1]
             if self._hierarchical(layer):
-                mine, done = done[:len(layer.blocks)], done[len(layer.blocks):]  # type: ignore[arg-type]
+                if layer.own is not None:  # each rank its own blocks (in parallel over the spatial group)
+                    u, lam = a[0], a[1]
+                    mine = [eigen(gram.to(idt) - (u[b] * lam) @ u[b].t(), idt) for b, gram in
+                            zip(layer.leaves, self._grams(layer, self.factors[layer.key][0]))]
+                else:
+                    mine, done = done[:len(layer.blocks)], done[len(layer.blocks):]  # type: ignore[arg-type]
                 a = [a[0], a[1], torch.cat([q.reshape(-1) for q, _ in mine]), torch.cat([e for _, e in mine])]
+                if layer.key not in self.logged:
+                    self.logged.add(layer.key)
+                    state.log_blocks(layer, self.factor_dtype, self.inverse_dtype)
             self._set_eigen(layer, a, g)
         kept = [f"{layer.name} {self._held(layer).kept}/{layer.rank}" for layer in have if layer.wide is not None]
         if kept:
@@ -283,10 +296,10 @@ class KFAC(torch.optim.SGD):
         return f[:d * (m + 1)].view(d, m + 1)
 
     def _grams(self, layer: Layer, f: torch.Tensor) -> list[torch.Tensor]:
-        """The running diagonal blocks of a hierarchical A."""
+        """The running diagonal blocks of a hierarchical A (those this rank holds)."""
         offset = layer.dim_a * (layer.omega.shape[1] + 1)  # type: ignore[union-attr]
         out = []
-        for b in layer.blocks:  # type: ignore[union-attr]
+        for b in layer.leaves:
             n = packed_size(len(b))
             out.append(unpack(f[offset:offset + n], len(b)))
             offset += n
@@ -299,43 +312,41 @@ class KFAC(torch.optim.SGD):
         """Store one layer's decompositions (and, for a low-rank factor, form its cores)."""
         xa: Eigen | Structured | Blocked
         if self._hierarchical(layer):
-            sizes = [len(b) for b in layer.blocks]  # type: ignore[union-attr]
-            qs = list(torch.split(a[2], [n * n for n in sizes]))
-            xa = Blocked(a[0], a[1], layer.blocks, [q.view(n, n) for q, n in zip(qs, sizes)],  # type: ignore[arg-type]
-                         list(torch.split(a[3], sizes)))
+            sizes = [len(b) for b in layer.leaves]
+            qs = [q.view(n, n) for q, n in zip(torch.split(a[2], [n * n for n in sizes]), sizes)]
+            es = list(torch.split(a[3], sizes))
+            own = layer.own
+            if own is not None:
+                rows = own.cols if not own.shared else torch.cat(
+                    [own.cols, torch.tensor([layer.dim_a - 1], device=own.cols.device)])
+                xa = LocalBlocked(a[0], a[1], a[0][rows], own.pos, qs, es, own.shared, self.grid.spatial_group)
+            else:
+                xa = Blocked(a[0], a[1], layer.blocks, qs, es)  # type: ignore[arg-type]
         else:
             xa = Structured(*a) if layer.wide == "A" else (a[0], a[1])
         xg: Eigen | Structured = Structured(*g) if layer.wide == "G" else (g[0], g[1])
         self.eigen[layer.key] = (xa, xg)
         if layer.wide is not None:
             held, dense = (xa, xg) if layer.wide == "A" else (xg, xa)
-            if isinstance(held, Blocked):
+            if isinstance(held, LocalBlocked):
+                self.cores[layer.key] = local.cores(held, dense[1], self.cfg.damping)  # type: ignore[index]
+            elif isinstance(held, Blocked):
                 self.cores[layer.key] = lowrank.blocked_cores(held, dense[1], self.cfg.damping)  # type: ignore[index]
             else:
                 self.cores[layer.key] = lowrank.cores(held, dense[1], self.cfg.damping)  # type: ignore[arg-type,index]
 
-    # -- state -------------------------------------------------------------------------
+    # -- state (``parallel.kfac.state``) ------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """SGD's state plus ``kfac``: the step counter and, per layer (keyed by the serial
         weight's name), factors ``A``, ``G`` and eigendecompositions ``QA``, ``lA``, ``QG``,
         ``lG``; a low-rank factor (say A) is its running sketch and diagonal ``A`` (d, m + 1)
         and its form ``UA``, ``lA``, ``dA``. Plain tensors and ints, the same on every rank
-        and at every grid."""
+        and at every grid: diagonal blocks held by their owners (``parallel.kfac.local``) are
+        gathered over the spatial group, so every rank calls this where a layer holds them."""
         sd = super().state_dict()
-        layers: dict[str, dict[str, torch.Tensor]] = {}
-        for key, (a, g) in self.factors.items():
-            entry = {"A": a, "G": g}
-            if key in self.eigen:
-                for side, held in zip("AG", self.eigen[key]):
-                    if isinstance(held, Blocked):
-                        entry.update({f"U{side}": held.u, f"l{side}": held.lam,
-                                      f"Q{side}": torch.cat([q.reshape(-1) for q in held.q]),
-                                      f"e{side}": torch.cat(held.e)})
-                    elif isinstance(held, Structured):
-                        entry.update({f"U{side}": held.u, f"l{side}": held.lam, f"d{side}": held.d})
-                    else:
-                        entry.update({f"Q{side}": held[0], f"l{side}": held[1]})
-            layers[key] = entry
+        by_key = {layer.key: layer for layer in self.layers}
+        layers = {key: state.entry(by_key[key], a, g, self.eigen.get(key), self.grid)
+                  for key, (a, g) in self.factors.items()}
         sd["kfac"] = {"steps": self.steps, "layers": layers}
         return sd
 
@@ -365,23 +376,7 @@ class KFAC(torch.optim.SGD):
 
     def _load_layer(self, layer: Layer, entry: dict[str, torch.Tensor]) -> None:
         device = layer.weight.device
-        want: dict[str, tuple[int, ...]] = {}
-        for side in "AG":
-            d = layer.dim(side)
-            want[side] = layer.shape(side)
-            if side == layer.wide and self._hierarchical(layer):
-                want.update({f"U{side}": (d, layer.rank), f"l{side}": (layer.rank,),
-                             f"Q{side}": (sum(len(b) ** 2 for b in layer.blocks),), f"e{side}": (d,)})  # type: ignore[union-attr]
-            elif side == layer.wide:
-                want.update({f"U{side}": (d, layer.rank), f"l{side}": (layer.rank,), f"d{side}": (d,)})
-            else:
-                want.update({f"Q{side}": (d, d), f"l{side}": (d,)})
-        for name, t in entry.items():
-            if name not in want or tuple(t.shape) != want[name]:
-                raise ValueError(f"kfac state of '{layer.key}': {name} has shape {tuple(t.shape)}, but the layer "
-                                 f"needs {want.get(name, 'no such entry')}"
-                                 + (" (a low-rank factor: kfac.rank and kfac.oversample as saved)"
-                                    if layer.wide is not None else ""))
+        entry, want = state.checked(layer, entry)
         fdt, idt = self.factor_dtype, self.inverse_dtype
         self.factors[layer.key] = (entry["A"].to(device, fdt), entry["G"].to(device, fdt))
         if all(k in entry for k in want):
@@ -394,3 +389,6 @@ class KFAC(torch.optim.SGD):
         self.recorder.remove()
         for h in self.flatten_hooks:
             h.remove()
+        for layer in self.layers:
+            if layer.kind == "flat" and layer.split is not None:
+                layer.module.shard_policy = None  # type: ignore[assignment]

@@ -22,7 +22,8 @@ it over the data group. ``state_dict`` still holds the serial model's whole tens
 columns are gathered over the spatial group (a collective: every rank of the group calls
 it), and ``load_state_dict`` takes the whole tensor (or this rank's shard) and keeps the
 block's columns. With ``shard_linear=False``, or where K-FAC reads the whole weight
-(``window_hook``), the weight stays whole, every rank's gradient is non-zero only in its
+(``window_hook``; ``keeps_whole``: K-FAC's hierarchical form local to the blocks reads the
+shard), the weight stays whole, every rank's gradient is non-zero only in its
 columns, and the gradient sync's spatial sum assembles it.
 
 After a global pool the features are replicated, not split: Flatten and Linear then run
@@ -95,7 +96,8 @@ class SpatialLinear(SpatialMixin, nn.Linear):
 
     window_hook: Callable[..., Any] | None = None
     """``hook(layer, block, dims)``: this rank's block and the global (D, H, W); set by
-    ``parallel.kfac``, which assembles the flattened features (whole weights only)."""
+    ``parallel.kfac``, which assembles the flattened features (a whole weight) or keeps the
+    block's own (a sharded one: its hierarchical form local to the blocks)."""
     shard: Shard | None = None
     """Set by ``shard_weight``: the weight parameter holds only these columns."""
     flatten_name: str = ""
@@ -104,6 +106,16 @@ class SpatialLinear(SpatialMixin, nn.Linear):
     """Shard the weight at the first forward on a split block (parallelize without input_shape)."""
     on_shard: Callable[[], None] | None = None
     """Called after the weight was sharded at a forward (``ParallelModule`` rebuilds its gradient sync)."""
+    shard_policy: Callable[[nn.Module, tuple[int, ...]], bool] | None = None
+    """``policy(layer, (C, D, H, W))``: whether to shard for that flattened volume (set by
+    ``parallelize``'s ``shard_linear`` policy, or by ``parallel.kfac`` where it reads the
+    shard); None: shard unless a ``window_hook`` reads the whole weight."""
+
+    def keeps_whole(self, shape: tuple[int, ...]) -> bool:
+        """Whether the weight stays whole for a flattened (C, D, H, W) ``shape``."""
+        if self.shard_policy is not None:
+            return not self.shard_policy(self, shape)
+        return self.window_hook is not None
 
     # -- the shard ------------------------------------------------------------------------
     def shard_weight(self, channels: int, dims: tuple[int, int, int]) -> None:
@@ -173,6 +185,8 @@ class SpatialLinear(SpatialMixin, nn.Linear):
             if (c, dims) != (self.shard.channels, self.shard.dims):
                 raise ValueError(f"{self.where}: its weight is sharded for a {self.shard.channels}x"
                                  f"{'x'.join(map(str, self.shard.dims))} volume, got {c}x{'x'.join(map(str, dims))}")
+            if self.window_hook is not None:  # K-FAC's hierarchical form local to the blocks
+                self.window_hook(self, x, dims)
             weight = self.weight
         else:
             if self.window_hook is not None:
@@ -203,7 +217,7 @@ class SpatialLinear(SpatialMixin, nn.Linear):
     def _shard_at_forward(self, channels: int, dims: tuple[int, int, int]) -> None:
         """The first forward on a split block: the volume is known now, shard the weight."""
         self.shard_pending = False
-        if self.window_hook is not None:  # K-FAC assembles the features against the whole weight
+        if self.keeps_whole((channels, *dims)):  # K-FAC assembles the features against the whole weight
             log.info("%s: weight kept whole (K-FAC reads the whole weight)", self.where)
             return
         self.shard_weight(channels, dims)

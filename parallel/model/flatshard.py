@@ -50,14 +50,17 @@ def flatten_inputs(model: nn.Module, input_shape: Sequence[int]) -> dict[str, tu
 
 def shard_linears(model: nn.Module, grid: Grid, flat: Mapping[str, tuple[int, ...]], pending_only: bool = False) -> int:
     """Shard each Flatten+Linear weight whose volume is split (not after a global pool);
-    ``pending_only``: only those waiting for their first forward, and not those K-FAC reads
-    whole. Returns how many were sharded."""
+    ``pending_only``: only those waiting for their first forward; never those that keep their
+    weight whole (``SpatialLinear.keeps_whole``: K-FAC reads it whole, or the ``shard_linear``
+    policy says so). Returns how many were sharded."""
     count = 0
     for name, m in model.named_modules():
         shape = flat.get(m.flatten_name) if isinstance(m, SpatialLinear) else None
         if shape is None or len(shape) != 4:
             continue
-        if pending_only and (not m.shard_pending or m.shard is not None or m.window_hook is not None):
+        if pending_only and (not m.shard_pending or m.shard is not None):
+            continue
+        if m.keeps_whole(shape):  # K-FAC reads the whole weight, or the shard_linear policy says so
             continue
         if any(n < s for n, s in zip(shape[1:], grid.spatial)):  # replicated (a global pool's output)
             continue

@@ -8,6 +8,7 @@ a model that runs serially runs split, with the same numbers.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Callable, Mapping, Sequence, Union
 
@@ -37,6 +38,7 @@ log = logging.getLogger("parallel")
 # What ``overlap_halo`` accepts: off (None, False), on (True), or a policy asked per split
 # convolution and geometry, ``policy(layer, shell, input_shape) -> bool``.
 OverlapPolicy = Union[None, bool, Callable[[Any, Any, Sequence[int]], bool]]
+ShardPolicy = Callable[[str, nn.Module, tuple[int, ...]], bool]
 
 SPATIAL_TWINS: dict[type, type] = {
     nn.Conv3d: SpatialConv3d,
@@ -163,7 +165,7 @@ def _seed_dropout(module: nn.Module, grid: Grid, seed: int | None) -> None:
 def parallelize(model: nn.Module, grid: Grid, *, sync_batchnorm: bool = False,
                 bucket_mb: float = 25.0, seed: int | None = None, overlap_halo: OverlapPolicy = None,
                 recompute: bool = False, input_shape: Sequence[int] | None = None,
-                shard_linear: bool = True, conv_path: str = "shell",
+                shard_linear: bool | ShardPolicy = True, conv_path: str = "shell",
                 conv_window_bytes: int | None = None, channels_last: bool = False) -> ParallelModule:
     """The hybrid-parallel form of ``model`` for ``grid`` (layers converted in place).
 
@@ -182,7 +184,9 @@ def parallelize(model: nn.Module, grid: Grid, *, sync_batchnorm: bool = False,
     group). With ``input_shape`` (one sample's (C, D, H, W)) the weight is cut here; without
     it, at the model's first forward on a split block, before any layer runs
     (``parallel.model.flatshard``; the parameter object stays the same, so an optimiser built
-    before that forward holds the shard);
+    before that forward holds the shard); or a policy ``policy(name, layer, (C, D, H, W)) ->
+    bool`` per Flatten+Linear (K-FAC's, ``parallel.kfac.shard_policy``: only the layers whose
+    factor it holds local to the blocks);
     ``conv_path`` is how split convolutions run: ``"shell"`` (the block convolved in place,
     the halos' contributions added), ``"window"`` (block and halos copied into one tensor,
     one convolution) or ``"auto"``: per layer, the faster of the two, timed at its first
@@ -236,6 +240,10 @@ def parallelize(model: nn.Module, grid: Grid, *, sync_batchnorm: bool = False,
         # Start every replica from the same weights, as DDP does.
         for tensor in list(model.parameters()) + list(model.buffers()):
             comm.broadcast_(tensor.data, 0, grid.world_group)
+    if callable(shard_linear):
+        for name, m in model.named_modules():
+            if isinstance(m, SpatialLinear):
+                m.shard_policy = functools.partial(shard_linear, name)
     if flat:  # after the broadcast: every rank cuts its columns of the same weight
         shard_linears(model, grid, flat)
     pending = False

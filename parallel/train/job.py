@@ -205,11 +205,17 @@ def _build_model(cfg: JobConfig, family: Family, grid: Grid, plan: JobPlan) -> t
     channels_last = layout.preferred(grid.device, str(cfg.train.precision)) if cl == "auto" else bool(cl)
     serial = equivalence.serial_copy(cfg.parallel.verify, model, grid, is_user_model(cfg.model))
     # Flatten+Linear weights sharded by block, except under K-FAC, which preconditions the
-    # whole weight (a sharded one would take the plain update, unlike the serial run).
+    # whole weight (a sharded one would take the plain update, unlike the serial run) unless
+    # it holds the layer's A hierarchically with its diagonal blocks on their ranks.
+    shard: Any = True
+    if str(cfg.optim.name) == "kfac":
+        from parallel.kfac import shard_policy
+
+        shard = shard_policy(cfg.optim.kfac)
     pmodel = parallel.parallelize(
         model, grid, seed=cfg.train.seed, overlap_halo=cfg.parallel.overlap_halo,
         recompute=cfg.train.activation_checkpointing, input_shape=(plan.facts.channels, *plan.volume),
-        shard_linear=str(cfg.optim.name) != "kfac", channels_last=channels_last, conv_path=str(cfg.parallel.conv_path))
+        shard_linear=shard, channels_last=channels_last, conv_path=str(cfg.parallel.conv_path))
     equivalence.run(serial, pmodel, cfg.parallel.verify, cfg.train.seed, plan.volume, plan.facts.channels)
     if cfg.train.noise_scale:  # the hierarchical sync: each data group's gradient formed (parallel.model.gradsync)
         pmodel.measure_noise_scale(True)

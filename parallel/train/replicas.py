@@ -72,28 +72,37 @@ def tracked(model: nn.Module, pmodel: nn.Module, optimizer: torch.optim.Optimize
             if isinstance(value, torch.Tensor):
                 # a per-parameter scalar (Adam's step count) is a replica on every rank alike
                 out.append(Tracked(f"{name} (optimiser {key})", sharded and value.dim() > 0, value.detach()))
-    # K-FAC's factors and their eigendecompositions: the same on every rank (parallel.kfac)
+    # K-FAC's factors and their eigendecompositions: the same on every rank (parallel.kfac),
+    # but for the diagonal blocks a rank holds of a sharded Flatten+Linear (parallel.kfac.local):
+    # those, and the factor A that carries them, are replicas over the data group only
     factors, eigen = getattr(optimizer, "factors", None), getattr(optimizer, "eigen", None)
     if isinstance(factors, dict) and isinstance(eigen, dict):
+        local = {layer.key for layer in getattr(optimizer, "layers", []) if getattr(layer, "own", None) is not None}
         for key in sorted(factors):
             for part, t in zip(("A", "G"), factors[key]):
-                out.append(Tracked(f"{key} (K-FAC factor {part})", False, t.detach()))
+                out.append(Tracked(f"{key} (K-FAC factor {part})", key in local and part == "A", t.detach()))
         for key in sorted(eigen):
             for side, held in zip("AG", eigen[key]):
                 for part, t in _held(side, held):
-                    out.append(Tracked(f"{key} (K-FAC {part})", False, t.detach()))
+                    out.append(Tracked(f"{key} (K-FAC {part})", part.endswith("own blocks)"), t.detach()))
     return out
 
 
 def _held(side: str, held: Any) -> list[tuple[str, torch.Tensor]]:
     """A K-FAC factor's inverse form as named tensors: a dense eigendecomposition ``(Q, l)``,
-    a low-rank plus diagonal form (``u``, ``lam``, ``d``) or a blocked one (``u``, ``lam`` and
-    each diagonal block's ``q``, ``e``) (``parallel.kfac.lowrank``)."""
+    a low-rank plus diagonal form (``u``, ``lam``, ``d``), a blocked one (``u``, ``lam`` and
+    each diagonal block's ``q``, ``e``) (``parallel.kfac.lowrank``), or a blocked one whose
+    blocks stay on their ranks (``parallel.kfac.local``: ``u``, ``lam``, and the rank's own
+    blocks' ``q`` and ``e`` each in one tensor, named "(own blocks)": the same number of
+    tensors on every rank however many blocks each holds)."""
     if isinstance(held, (tuple, list)):
         return [(f"Q{side}", held[0]), (f"l{side}", held[1])]
     parts = [(f"U{side}", held.u), (f"l{side}", held.lam)]
     if hasattr(held, "d"):
         return parts + [(f"d{side}", held.d)]
+    if hasattr(held, "pos"):
+        return parts + [(f"Q{side} (own blocks)", torch.cat([q.reshape(-1) for q in held.q])),
+                        (f"e{side} (own blocks)", torch.cat(list(held.e)))]
     return parts + [(f"Q{side}[{i}]", q) for i, q in enumerate(held.q)] + [(f"e{side}[{i}]", e) for i, e in enumerate(held.e)]
 
 

@@ -76,14 +76,21 @@ LOW_RANK_GRIDS = [("spatial-2x1x1", 2, (2, 1, 1)), ("spatial-2x2x1", 4, (2, 2, 1
 # the Flatten+Linear, G of the transposed conv) at rank 12 of 55..193, sketched from the
 # patches and rows of each rank's block; eigendecompositions at steps 0 and 2. The
 # hierarchical form: the Flatten+Linear's A (193: 3 channels x 4^3 + bias) as the 2x2x1
-# blocks of its input volume (48 features each) plus the bias, dense, and a rank-4 coupling.
+# blocks of its input volume (48 features each) plus the bias, dense, and a rank-4 coupling;
+# the blocks match (2x2x1) or refine (2x1x1) every grid's split, so the weight is sharded
+# and each rank holds only its own blocks (parallel.kfac.local).
 FORMS = {"diagonal": kfac_cases.settings(max_factor_dim=20, rank=12, oversample=4),
          "hierarchical": kfac_cases.settings(max_factor_dim=20, rank=4, oversample=4, flat_blocks=[2, 2, 1])}
+PER_RANK = ("blocks_held", "blocks_local", "block_memory_bytes")  # the diagonal blocks a rank holds
 
 
 @pytest.fixture(scope="module")
 def low_rank_serial():
     return {form: kfac_cases.low_rank_serial(4, kw) for form, kw in FORMS.items()}
+
+
+def _shared(report):
+    return {name: {k: v for k, v in entry.items() if k not in PER_RANK} for name, entry in report.items()}
 
 
 @pytest.mark.parametrize("form", list(FORMS))
@@ -92,5 +99,26 @@ def test_low_rank_factors_equal_serial(pools, low_rank_serial, world, spatial, f
     serial = low_rank_serial[form]
     assert len(serial["low_rank"]) == 6 and serial["low_rank"]["11"]["width"] == 193
     assert serial["low_rank"]["11"]["blocks"] == (5 if form == "hierarchical" else 0)
-    for r in pools.run(world, kfac_cases.check_low_rank_steps, 4, FORMS[form], serial, spatial=spatial, timeout=300):
-        assert r["low_rank"] == serial["low_rank"] and r["worst"] <= kfac_cases.RTOL
+    results = pools.run(world, kfac_cases.check_low_rank_steps, 4, FORMS[form], serial, spatial=spatial, timeout=300)
+    ranks = spatial[0] * spatial[1] * spatial[2]
+    for r in results:
+        assert _shared(r["low_rank"]) == _shared(serial["low_rank"]) and r["worst"] <= kfac_cases.RTOL
+        if form == "hierarchical":  # the weight sharded, each rank its 4 / ranks blocks (and the bias')
+            mine, whole = r["low_rank"]["11"], serial["low_rank"]["11"]
+            assert r["sharded"] == ["11.weight"] and mine["blocks_local"] and not whole["blocks_local"]
+            assert mine["blocks_held"] == 4 // ranks + 1 and whole["blocks_held"] == 5
+            assert mine["block_memory_bytes"] < whole["block_memory_bytes"] / ranks * 1.01
+
+
+def test_hierarchical_blocks_resume_at_another_grid(pools, low_rank_serial):
+    # 2 steps at spatial 2x2x1 (each rank one block), saved as every grid keeps it (the blocks
+    # gathered), resumed at data 2 x spatial 2x1x1 (each rank two blocks) and at spatial
+    # 1x1x2, which the blocks do not refine (the weight whole, every block on every rank):
+    # both equal the uninterrupted serial run
+    kw, serial = FORMS["hierarchical"], low_rank_serial["hierarchical"]
+    saved = pools.run(4, kfac_cases.run_and_save, 2, kw, spatial=(2, 2, 1), timeout=300)[0]
+    for world, spatial, local in ((4, (2, 1, 1), True), (2, (1, 1, 2), False)):
+        for r in pools.run(world, kfac_cases.resume_low_rank, saved, 2, 4, kw, serial, spatial=spatial, timeout=300):
+            assert r["worst"] <= kfac_cases.RTOL and r["sharded"] == (["11.weight"] if local else [])
+            assert r["low_rank"]["11"]["blocks_local"] == local
+            assert r["low_rank"]["11"]["blocks_held"] == (3 if local else 5)

@@ -13,7 +13,7 @@ from torch import nn
 import parallel
 from kfac_reference import ReferenceKFAC
 from parallel.kfac import KFAC, KFACConfig
-from parallel.layers.linear import whole
+from parallel.layers.linear import gather_optimizer_state, whole
 
 SHAPE = (4, 2, 8, 8, 8)
 LR, MOMENTUM = 0.1, 0.9
@@ -164,17 +164,20 @@ def check_steps(grid: Any, steps: int, kw: dict[str, Any], exclude: tuple[str, .
 
 
 def run_and_save(grid: Any, steps: int, kw: dict[str, Any], seed: int = 0) -> bytes | None:
-    """``steps`` steps, then rank 0 returns the model and optimiser state as torch.save bytes."""
+    """``steps`` steps, then rank 0 returns the model and optimiser state as torch.save bytes
+    (taken on every rank, as the training loop does: a sharded weight and the diagonal
+    blocks its ranks hold are gathered, collectives)."""
     torch.manual_seed(seed)
     model = build()
     pmodel = parallel.parallelize(model, grid)
     opt = KFAC(pmodel, grid, _config(kw, ()), lr=LR, momentum=MOMENTUM)
     for x, y in _batches(steps, seed + 1):
         _parallel_step(pmodel, opt, grid, x, y)
+    state = {"model": model.state_dict(), "optimizer": gather_optimizer_state(opt, model)}
     if grid.rank != 0:
         return None
     buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buf)
+    torch.save(state, buf)
     return buf.getvalue()
 
 
@@ -274,8 +277,15 @@ def check_low_rank_steps(grid: Any, steps: int, kw: dict[str, Any], serial: dict
     model = build()
     pmodel = parallel.parallelize(model, grid)
     opt = KFAC(pmodel, grid, _config(kw, ()), lr=LR, momentum=MOMENTUM)
+    return _low_rank_steps(grid, model, pmodel, opt, range(steps), serial, seed)
+
+
+def _low_rank_steps(grid: Any, model: nn.Module, pmodel: nn.Module, opt: KFAC, steps: range, serial: dict[str, Any],
+                    seed: int) -> dict[str, Any]:
     worst = 0.0
-    for t, (x, y) in enumerate(_batches(steps, seed + 1)):
+    batches = _batches(steps.stop, seed + 1)
+    for t in steps:
+        x, y = batches[t]
         nu = _parallel_step(pmodel, opt, grid, x, y)
         if abs(nu - serial["nus"][t]) > 1e-9 * serial["nus"][t]:
             raise AssertionError(f"low rank, step {t}: KL scale {nu!r} != serial {serial['nus'][t]!r}")
@@ -285,4 +295,19 @@ def check_low_rank_steps(grid: Any, steps: int, kw: dict[str, Any], serial: dict
                 raise AssertionError(f"low rank, step {t}: parameter {name}: max |grid - serial| / max |serial| = "
                                      f"{err:.3e} > {RTOL:g}")
             worst = max(worst, err)
-    return {"low_rank": opt.report()["low_rank"], "worst": worst}
+    return {"low_rank": opt.report()["low_rank"], "worst": worst,
+            "sharded": [n for n, p in model.named_parameters() if getattr(p, "spatial_shard", False)]}
+
+
+def resume_low_rank(grid: Any, saved: bytes, done: int, steps: int, kw: dict[str, Any], serial: dict[str, Any],
+                    seed: int = 0) -> dict[str, Any]:
+    """Load a state saved after ``done`` steps (``run_and_save``, at another grid), run to
+    ``steps`` and compare each step with the uninterrupted serial run (``low_rank_serial``)."""
+    torch.manual_seed(seed)
+    model = build()
+    pmodel = parallel.parallelize(model, grid)
+    opt = KFAC(pmodel, grid, _config(kw, ()), lr=LR, momentum=MOMENTUM)
+    state = torch.load(io.BytesIO(saved), weights_only=True)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])  # the sharded weight's momentum is cut at its first step
+    return _low_rank_steps(grid, model, pmodel, opt, range(done, steps), serial, seed)

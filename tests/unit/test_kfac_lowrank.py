@@ -75,7 +75,7 @@ def test_low_rank_state_round_trips_and_resumes(flat_blocks):
         return
     m3, o3 = kfac_cases.model_and_opt(max_factor_dim=20, rank=10, oversample=4)
     with pytest.raises(ValueError, match=r"'0.weight': A has shape \(55, 17\), but the layer needs \(55, 15\) "
-                                         r"\(a low-rank factor: kfac.rank and kfac.oversample as saved\)"):
+                                         r"\(a low-rank factor: kfac.rank, kfac.oversample and kfac.flat_blocks as saved\)"):
         o3.load_state_dict(state["optimizer"])
 
 
@@ -159,3 +159,14 @@ def test_wide_output_factors_at_full_rank_equal_dense_and_rank_tol_drops():
         assert _close(dense, full) < 1e-10 * max(float(p.abs().max()) for p in dense.parameters())
     _, cut = run(max_factor_dim=20, rank=100, oversample=0, rank_tol=0.5)
     assert all(v["kept"] < v["rank"] for v in cut.report()["low_rank"].values())
+
+
+def test_blocks_stay_on_their_ranks_only_where_they_refine_the_grid():
+    """parallel.kfac.local: each of kfac.flat_blocks' blocks must lie inside one rank's block."""
+    from parallel.kfac.local import refines
+
+    assert refines([2, 2, 1], [2, 1, 1], [4, 4, 4]) and refines([2, 2, 1], [2, 2, 1], [4, 4, 4])
+    assert refines([5, 1, 1], [2, 1, 1], [7, 4, 4])  # D 7: the grid cuts at 4, the blocks at 2, 4, 5, 6
+    assert not refines([1, 2, 1], [2, 1, 1], [4, 4, 4]) and not refines([2, 2, 1], [1, 1, 2], [4, 4, 4])
+    assert not refines([3, 1, 1], [2, 1, 1], [7, 4, 4])  # blocks cut at 3 and 5, the grid at 4
+    assert not refines([4, 1, 1], [8, 1, 1], [4, 4, 4])  # the grid cannot split 4 voxels 8 ways

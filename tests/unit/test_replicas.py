@@ -103,3 +103,26 @@ def test_kfac_low_rank_and_blocked_forms_are_tracked_tensor_by_tensor():
     assert [n for n, _ in dense] == ["QG", "lG"] and [n for n, _ in low] == ["UA", "lA", "dA"]
     assert [n for n, _ in blocks] == ["UA", "lA", "QA[0]", "QA[1]", "eA[0]", "eA[1]"]
     assert all(isinstance(t, torch.Tensor) for _, t in dense + low + blocks)
+
+
+def test_kfac_blocks_held_by_their_ranks_are_compared_over_data_copies_only():
+    """A hierarchical A whose blocks stay on their ranks (parallel.kfac.local): its factor A and
+    the own blocks' q, e (one tensor each, however many blocks a rank holds) differ between
+    the ranks of a spatial group; U and lam are replicas everywhere."""
+    from types import SimpleNamespace
+
+    from parallel.kfac.local import LocalBlocked
+
+    m = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    u, lam = torch.randn(6, 2), torch.rand(2)
+    held = LocalBlocked(u, lam, u[:4], [torch.arange(2), torch.arange(2, 3), torch.tensor([3])],
+                        [torch.eye(2), torch.eye(1), torch.eye(1)], [torch.ones(2), torch.ones(1), torch.ones(1)], 1, None)
+    opt.factors = {"weight": (torch.ones(5), torch.eye(2))}
+    opt.eigen = {"weight": (held, (torch.eye(2), torch.ones(2)))}
+    opt.layers = [SimpleNamespace(key="weight", own=object())]
+    items = {t.name: (t.sharded, t.tensor.numel()) for t in replicas.tracked(m, m, opt) if "K-FAC" in t.name}
+    assert items == {"weight (K-FAC factor A)": (True, 5), "weight (K-FAC factor G)": (False, 4),
+                     "weight (K-FAC UA)": (False, 12), "weight (K-FAC lA)": (False, 2),
+                     "weight (K-FAC QA (own blocks))": (True, 6), "weight (K-FAC eA (own blocks))": (True, 4),
+                     "weight (K-FAC QG)": (False, 4), "weight (K-FAC lG)": (False, 2)}
