@@ -86,7 +86,7 @@ PER_RANK = ("blocks_held", "blocks_local", "block_memory_bytes")  # the diagonal
 
 @pytest.fixture(scope="module")
 def low_rank_serial():
-    return {form: kfac_cases.low_rank_serial(4, kw) for form, kw in FORMS.items()}
+    return {form: kfac_cases.low_rank_serial(5, kw) for form, kw in FORMS.items()}
 
 
 def _shared(report):
@@ -111,14 +111,23 @@ def test_low_rank_factors_equal_serial(pools, low_rank_serial, world, spatial, f
 
 
 def test_hierarchical_blocks_resume_at_another_grid(pools, low_rank_serial):
-    # 2 steps at spatial 2x2x1 (each rank one block), saved as every grid keeps it (the blocks
+    # 3 steps at spatial 2x2x1 (each rank one block), saved as every grid keeps it (the blocks
     # gathered), resumed at data 2 x spatial 2x1x1 (each rank two blocks) and at spatial
     # 1x1x2, which the blocks do not refine (the weight whole, every block on every rank):
-    # both equal the uninterrupted serial run
+    # step 3 uses the loaded decompositions (of 12 rows' A: the blocks carry what rank 4
+    # leaves), step 4 new ones of the loaded factors; both equal the uninterrupted serial run
     kw, serial = FORMS["hierarchical"], low_rank_serial["hierarchical"]
-    saved = pools.run(4, kfac_cases.run_and_save, 2, kw, spatial=(2, 2, 1), timeout=300)[0]
+    saved = pools.run(4, kfac_cases.run_and_save, 3, kw, spatial=(2, 2, 1), timeout=300)[0]
     for world, spatial, local in ((4, (2, 1, 1), True), (2, (1, 1, 2), False)):
-        for r in pools.run(world, kfac_cases.resume_low_rank, saved, 2, 4, kw, serial, spatial=spatial, timeout=300):
+        for r in pools.run(world, kfac_cases.resume_low_rank, saved, 3, 5, kw, serial, spatial=spatial, timeout=300):
             assert r["worst"] <= kfac_cases.RTOL and r["sharded"] == (["11.weight"] if local else [])
             assert r["low_rank"]["11"]["blocks_local"] == local
             assert r["low_rank"]["11"]["blocks_held"] == (3 if local else 5)
+
+
+def test_hierarchical_blocks_on_their_ranks_at_full_rank_equal_dense_kfac(pools):
+    # Only the Flatten+Linear's A (193) above max_factor_dim, held hierarchically at rank >= its
+    # width with each 2x2x1 block on its own rank: the steps are the plain dense reference's
+    kw = kfac_cases.settings(max_factor_dim=192, rank=1000, oversample=0, flat_blocks=[2, 2, 1])
+    results = pools.run(4, kfac_cases.check_steps, 2, kw, spatial=(2, 2, 1), timeout=300)
+    assert len(results[0]["layers"]) == 7 and results[0]["moved"] > 1e-3 and results[0]["sharded"] == ["11.weight"]

@@ -160,6 +160,7 @@ def check_steps(grid: Any, steps: int, kw: dict[str, Any], exclude: tuple[str, .
             raise AssertionError(f"step {t}: KL scale {nus[-1]!r} != serial {nu_ref!r}")
         errors.append(_compare(model, serial, f"step {t}"))
     return {"nus": nus, "errors": errors, "layers": [layer.name for layer in opt.layers],
+            "sharded": [n for n, p in model.named_parameters() if getattr(p, "spatial_shard", False)],
             "moved": max(float((whole(p, p.detach()) - q).abs().max()) for p, q in zip(model.parameters(), start.parameters()))}
 
 
