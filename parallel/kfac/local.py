@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from parallel import comm
+from parallel.kfac.lowrank import Structured
 from parallel.partition import SplitError, block_bounds
 
 
@@ -88,7 +89,7 @@ def own(blocks: list[torch.Tensor], cols: torch.Tensor, bias: bool) -> Own:
 
 
 def sharding_policy(selected: Callable[[str, nn.Module], bool], split: Sequence[int]
-                 ) -> Callable[[str, nn.Module, tuple[int, ...]], bool]:
+                    ) -> Callable[[str, nn.Module, tuple[int, ...]], bool]:
     """``parallelize``'s ``shard_linear`` policy under K-FAC: shard a Flatten+Linear's weight
     where its A takes the hierarchical form local to the blocks (``selected(name, module)``:
     K-FAC holds its A hierarchically; ``split`` refines the grid's split of the (C, D, H, W)
@@ -117,8 +118,7 @@ class LocalBlocked:
 
     @property
     def kept(self) -> int:
-        from parallel.kfac.lowrank import Structured
-
+        """The coupling's rank above the rounding floor (``lowrank.Structured.kept``)."""
         return Structured(self.u, self.lam, self.lam.new_zeros(0)).kept
 
     def _split(self) -> int:
