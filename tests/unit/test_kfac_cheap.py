@@ -70,9 +70,9 @@ def test_stale_tol_lengthens_the_interval_and_resume_keeps_it():
         assert s.interval == want, (step, change)
     # in the optimiser: a tolerance every change stays below moves 1 -> 2 -> 4 (captures at 0, 1, 2, 4)
     model, opt = kfac_cases.model_and_opt(factor_interval=1, inverse_interval=4, stale_tol=10.0)
-    twin, other = kfac_cases.model_and_opt(factor_interval=1, inverse_interval=4, stale_tol=10.0)
+    _, other = kfac_cases.model_and_opt(factor_interval=1, inverse_interval=4, stale_tol=10.0)
     captured = []
-    for seed in range(1, 7):
+    for seed in range(1, 6):
         x, y = kfac_cases.sample_batch(seed)
         captured.append(opt.captures(opt.steps))
         opt.zero_grad()
@@ -80,23 +80,21 @@ def test_stale_tol_lengthens_the_interval_and_resume_keeps_it():
         opt.step()
         if seed == 3:  # resume after step 2: the interval (2, chosen at step 2 -> 4) travels with the state
             buf = io.BytesIO()
-            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buf)
-            state = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
-            twin.load_state_dict(state["model"])
-            other.load_state_dict(state["optimizer"])
+            torch.save({"optimizer": opt.state_dict()}, buf)
+            other.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True)["optimizer"])
             assert other.staleness.interval == opt.staleness.interval == 4
-    assert captured == [True, True, True, False, True, False]
+    assert captured == [True, True, True, False, True]
     report = opt.report()["staleness"]
     assert report["interval"] == 4 and report["updates"] == 4 and len(report["history"]) == 3
     assert all(0 < c < 1 for _, c, _ in report["history"])
     # off (the default): the change is measured and reported, the interval never moves
     model, opt = kfac_cases.model_and_opt(factor_interval=1, inverse_interval=4)
-    for seed in range(1, 4):
+    for seed in range(1, 3):
         x, y = kfac_cases.sample_batch(seed)
         opt.zero_grad()
         ((model(x) - y) ** 2).mean().backward()
         opt.step()
-    assert opt.staleness.interval == 1 and len(opt.report()["staleness"]["history"]) == 2
+    assert opt.staleness.interval == 1 and len(opt.report()["staleness"]["history"]) == 1
 
 
 def test_bf16_gram_products_are_close_to_float64():
@@ -124,3 +122,21 @@ def test_costs_count_the_subsampled_positions():
         else:
             assert by[layer["name"]]["factor_flops"] == layer["factor_flops"]
     assert cheap.factor_allreduce_bytes == full.factor_allreduce_bytes
+
+
+def test_position_stride_sketches_the_same_patches():
+    # A low-rank A (max_factor_dim 20) is sketched from the same subsampled patches: its
+    # running [A Omega | diag(A)] is the dense subsampled A's.
+    x, y = kfac_cases.sample_batch(1)
+    dense = kfac_cases.model_and_opt(position_stride=2)
+    low = kfac_cases.model_and_opt(position_stride=2, max_factor_dim=20, rank=12, oversample=4)
+    for model, opt in (dense, low):
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+    convs = [layer for layer in low[1].layers if layer.kind == "conv" and layer.wide == "A"]
+    assert len(convs) == 4
+    for layer in convs:
+        a, sketch = dense[1].factors[layer.key][0], low[1].factors[layer.key][0]
+        torch.testing.assert_close(sketch, torch.cat([a @ layer.omega, a.diagonal()[:, None]], dim=1),
+                                   rtol=1e-12, atol=1e-12)
