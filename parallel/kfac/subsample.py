@@ -114,7 +114,7 @@ class Staleness:
 
     def __init__(self, factor_interval: int, inverse_interval: int, tol: float, cap: int) -> None:
         self.rungs = ladder(factor_interval, inverse_interval, cap)
-        self.tol = tol
+        self.tol, self.inverse = tol, inverse_interval
         self.base = self.interval = factor_interval
         self.history: list[tuple[int, float, int]] = []  # (step, change, interval chosen after it)
         self.updates = 0
@@ -143,8 +143,10 @@ class Staleness:
         if self.interval != before:
             log.info("kfac: step %d: the factors changed by %.3g (kfac.stale_tol %g): factor updates every %d steps "
                      "(were %d)", step, change, self.tol, self.interval, before)
-        else:
-            log.debug("kfac: step %d: the factors changed by %.3g since the last update", step, change)
+        else:  # at INFO with each inverse update, else at DEBUG
+            log.log(logging.INFO if step % self.inverse == 0 else logging.DEBUG,
+                    "kfac: step %d: the factors changed by %.3g since the last update (factor updates every %d "
+                    "steps)", step, change, self.interval)
 
     def captures(self, step: int) -> bool:
         return step % self.interval == 0
@@ -161,7 +163,8 @@ class Staleness:
         return {"interval": self.interval, "updates": self.updates}
 
     def load(self, state: dict[str, Any] | None) -> None:
-        """Take a saved state (None: the interval starts at ``factor_interval``)."""
+        """Take a saved state (None: the interval starts at ``factor_interval``); the history
+        reported starts afresh (the count of updates goes on)."""
         self.history = []
         if state is None:
             self.interval, self.updates = self.base, 0
