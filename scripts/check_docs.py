@@ -167,6 +167,8 @@ RULES = [
          timeout=3600),
     Rule(r"^python scripts/kfac_blocks\.py ", "all", "as written: CosmoFlow's head at 128^3 on 1, 2 and 4 ranks, "
          "minutes (eigendecompositions 4096 wide)", timeout=3600),
+    Rule(r"^python scripts/kfac_cheap\.py ", "all", "as written: minutes each (20 steps with six optimisers)",
+         timeout=3600),
     Rule(r"scripts/perf_pass\.sh", "all", "the whole pass as written (about 17 minutes)", timeout=3600),
     Rule(r"^python scripts/memory_demo\.py --size 128", "all", "as written: 128^3, a few minutes", timeout=1800),
     Rule(r"^python scripts/memory_demo\.py", "all", "as written: 256^3 on 4 ranks, about 10 minutes", timeout=3600),

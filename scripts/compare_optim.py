@@ -48,7 +48,22 @@ KFAC = {
     "unet3d": ["optim.name=kfac", "optim.lr=0.1", "optim.kfac.damping=0.1", "optim.kfac.factor_interval=2",
                "optim.kfac.inverse_interval=10"],
 }
-VARIANTS = {model: {"sgd": [], "kfac": KFAC[model], "bf16": ["train.precision=bf16"]} for model in KFAC}
+# The cheaper factor updates (docs/kfac.md#cheaper-factor-updates): A from the output positions
+# at even global coordinates (1/8 of them), its Gram products in bfloat16.
+CHEAP = ["optim.kfac.position_stride=2", "optim.kfac.gram_dtype=bfloat16"]
+# ... and the interval between factor updates lengthened while the factors change by less than
+# 10% per update (up to the eigendecompositions', every 20 steps).
+LEAN = CHEAP + ["optim.kfac.inverse_interval=20", "optim.kfac.stale_tol=0.1"]
+
+
+def _with(base: list[str], extra: list[str]) -> list[str]:
+    """``base`` with the overrides of ``extra`` (a key set in both takes ``extra``'s value)."""
+    keys = {o.split("=", 1)[0] for o in extra}
+    return [o for o in base if o.split("=", 1)[0] not in keys] + extra
+
+
+VARIANTS = {model: {"sgd": [], "kfac": KFAC[model], "kfac_cheap": _with(KFAC[model], CHEAP),
+                    "kfac_lean": _with(KFAC[model], LEAN), "bf16": ["train.precision=bf16"]} for model in KFAC}
 
 # The sweep: damping, intervals and learning rate from the usual K-FAC values (damping
 # 1e-3, factors every 10 steps, inverses every 100) towards what the first results asked
@@ -252,7 +267,7 @@ def draw(rows: list[dict[str, Any]], png: Path) -> None:
 
     models = [m for m in TARGET if any(r["model"] == m for r in rows)]
     fig, axes = plt.subplots(len(models), 2, figsize=(10, 3.6 * len(models)), squeeze=False)
-    colour = {"sgd": "tab:blue", "kfac": "tab:red", "bf16": "tab:green"}
+    colour = {"sgd": "tab:blue", "kfac": "tab:red", "kfac_cheap": "tab:orange", "kfac_lean": "tab:purple", "bf16": "tab:green"}
     for i, model in enumerate(models):
         metric, _, target = TARGET[model]
         for j, (col, label) in enumerate([(0, "epochs"), (1, "seconds since run start (loaded 2-core machine)")]):

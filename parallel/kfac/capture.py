@@ -33,6 +33,7 @@ from parallel.kfac.config import KFACConfig
 from parallel.kfac.layers import Layer
 from parallel.kfac.lowrank import channel_sketch, patch_sketch
 from parallel.kfac.patches import channel_gram, pad_volume, patch_gram, transposed_grad_pads
+from parallel.kfac.subsample import output_origin, sampled_window
 from parallel.layers.conv.layer import conv_pads
 
 
@@ -54,6 +55,8 @@ class Recorder:
         self.layers = layers
         self.dtype = dtype
         self.chunk = cfg.chunk_mb * 2**20
+        self.every = cfg.position_stride
+        self.product = cfg.product_dtype(dtype)
         self.capturing = False
         self.by_id = {id(layer.module): layer for layer in layers}
         self.handles = [layer.module.register_forward_hook(
@@ -105,7 +108,8 @@ class Recorder:
         cap = Capture(rows=t.shape[0])
         if layer.kind == "conv":
             pads = [(p, p) for p in geometry[0]]
-            cap.a, cap.count = self._conv_a(layer, pad_volume(t.detach(), pads))
+            origin = output_origin(module, geometry[1]) if self.every > 1 else (0, 0, 0)
+            cap.a, cap.count = self._conv_a(layer, pad_volume(t.detach(), pads), origin)
         elif layer.kind == "convT":
             cap.grad_pads = transposed_grad_pads(geometry[0], geometry[1])
             self._hook_output(layer, cap, t)
@@ -149,16 +153,30 @@ class Recorder:
         if not cap.hooked:
             self._hook_output(layer, cap, output)
 
-    def _conv_a(self, layer: Layer, padded: torch.Tensor) -> tuple[torch.Tensor, int]:
-        return self._patches(layer, "A", padded, layer.module.bias is not None)  # type: ignore[union-attr]
-
-    def _patches(self, layer: Layer, side: str, padded: torch.Tensor, bias: bool) -> tuple[torch.Tensor, int]:
-        """The patch Gram sum of ``padded`` for factor ``side``, or its sketch if that factor is wide."""
+    def _conv_a(self, layer: Layer, padded: torch.Tensor, origin: tuple[int, int, int] = (0, 0, 0)
+                ) -> tuple[torch.Tensor, int]:
+        """A's patch sum over the output positions ``kfac.position_stride`` samples (``origin``:
+        the global coordinates of the block's first output position)."""
         conv: Any = layer.module
+        bias = conv.bias is not None
+        if self.every == 1:
+            return self._patches(layer, "A", padded, bias)
+        view = sampled_window(padded, conv.kernel_size, conv.stride, conv.dilation, origin, self.every)
+        if view is None:  # no sampled position in this block
+            return torch.zeros(layer.shape("A"), dtype=self.dtype, device=padded.device), 0
+        return self._patches(layer, "A", view[0], bias, view[1])
+
+    def _patches(self, layer: Layer, side: str, padded: torch.Tensor, bias: bool,
+                 stride: tuple[int, ...] | None = None) -> tuple[torch.Tensor, int]:
+        """The patch Gram sum of ``padded`` for factor ``side``, or its sketch if that factor is
+        wide (``stride``: the layer's, unless positions are subsampled)."""
+        conv: Any = layer.module
+        stride = stride or conv.stride
         if layer.wide == side:
-            return patch_sketch(padded, conv.kernel_size, conv.stride, conv.dilation, bias, layer.omega,
+            return patch_sketch(padded, conv.kernel_size, stride, conv.dilation, bias, layer.omega,
                                 self.dtype, self.chunk)
-        return patch_gram(padded, conv.kernel_size, conv.stride, conv.dilation, bias, self.dtype, self.chunk)
+        return patch_gram(padded, conv.kernel_size, stride, conv.dilation, bias, self.dtype, self.chunk,
+                          self.product if side == "A" else None)
 
     def _channels(self, layer: Layer, side: str, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The channel Gram sum of ``x`` for factor ``side``, or its sketch if that factor is wide."""

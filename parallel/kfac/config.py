@@ -109,6 +109,20 @@ class KFACConfig:
     or float64: eigensolvers do not run in half precision; ``auto`` as for the factors)."""
     chunk_mb: float = 64.0
     """Largest block of convolution patches formed at once while accumulating A (MiB)."""
+    position_stride: int = 1
+    """A convolution's A from the output positions whose global coordinates are multiples
+    of this in every dim (about ``1/s^3`` of the Gram work; 1: every position). The same
+    positions at every grid (``parallel.kfac.subsample``)."""
+    stale_tol: float = 0.0
+    """Lengthen the interval between factor updates while the factors change by less than
+    this between updates (relative, largest over layers), shorten it above twice this; the
+    change is measured and reported either way (0: the interval stays ``factor_interval``)."""
+    max_factor_interval: int = 0
+    """Longest interval ``stale_tol`` may choose (0: ``inverse_interval``)."""
+    gram_dtype: Dtype = Dtype.auto
+    """Precision in which convolution patches are multiplied for A (bfloat16: faster where
+    the hardware multiplies it natively; not float16, whose range the sums overflow), each
+    slab's product added into ``factor_dtype``; ``auto``: ``factor_dtype``."""
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the setting and its value when one is out of range."""
@@ -139,14 +153,26 @@ class KFACConfig:
             raise ValueError(f"kfac.rank_tol must be in [0, 1), got {self.rank_tol}")
         if not self.chunk_mb > 0:
             raise ValueError(f"kfac.chunk_mb must be > 0, got {self.chunk_mb}")
-        for name in ("factor_dtype", "inverse_dtype"):
+        if self.position_stride < 1:
+            raise ValueError(f"kfac.position_stride must be >= 1 (1: every position), got {self.position_stride}")
+        if self.stale_tol < 0 or self.max_factor_interval < 0:
+            raise ValueError(f"kfac.stale_tol ({self.stale_tol}) and kfac.max_factor_interval "
+                             f"({self.max_factor_interval}) must be >= 0 (0: off / inverse_interval)")
+        for name in ("factor_dtype", "inverse_dtype", "gram_dtype"):
             value = str(getattr(self, name))
             if value not in Dtype.__members__:
                 raise ValueError(f"kfac.{name} must be one of {', '.join(Dtype.__members__)}, got {value!r}")
             setattr(self, name, Dtype(value))
+        if self.gram_dtype is Dtype.float16:
+            raise ValueError("kfac.gram_dtype=float16 overflows the Gram products (a slab's sums pass 65504: "
+                             "infinite factors on CosmoFlow's first layer): use bfloat16")
         if self.inverse_dtype not in (Dtype.float32, Dtype.float64, Dtype.auto):
             raise ValueError(f"kfac.inverse_dtype must be float32, float64 or auto (eigendecompositions), "
                              f"got {self.inverse_dtype}")
+
+    def product_dtype(self, factor: torch.dtype) -> torch.dtype:
+        """The precision of the A Gram products for factors in ``factor`` precision."""
+        return factor if Dtype(str(self.gram_dtype)) is Dtype.auto else Dtype(str(self.gram_dtype)).torch
 
     def dtypes(self, weights: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
         """(factor, inverse) precisions for preconditioned weights of dtype ``weights``."""

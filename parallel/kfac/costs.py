@@ -7,7 +7,8 @@ and buffer layout as the optimiser:
 - ``factor_allreduce_bytes``: payload of the world all-reduce of one factor update
   (upper triangles of every A and G, plus a count per layer); ``linear_allreduce_bytes``:
   payload of the spatial all-reduce of the linear layers' rows (0 when spatial is 1);
-- ``factor_flops``: Gram products on this rank per factor update (its block's patches);
+- ``factor_flops``: Gram products on this rank per factor update (its block's patches; a
+  convolution's A over the positions ``position_stride`` samples);
   ``patch_bytes``: the patches (and linear rows) those products copy out of the activations;
 - ``inverse_flops``: eigendecomposition flops (~9 d^3 each; a low-rank factor's Nystrom
   step ~6 d m^2) of the busiest rank under the optimiser's assignment, plus the low-rank
@@ -36,6 +37,7 @@ from parallel.kfac.inverse import EIGH_FLOPS_PER_DIM3, assign, loads
 from parallel.kfac import lowrank
 from parallel.kfac.layers import find_layers
 from parallel.kfac.lowrank import NYSTROM_FLOPS_PER_DM2, sketch_width
+from parallel.kfac.subsample import sampled_positions
 from parallel.model.trace import hooked, meta_copy, meta_forward, on_meta
 
 
@@ -128,8 +130,10 @@ def kfac_costs(model: nn.Module, input_shape: Sequence[int], cfg: KFACConfig | N
         flops = 0.0
         if layer.kind == "conv":  # A over output patches, G over output positions: 1/S of them here
             positions = batch * math.prod(out_shape[1:]) / s
-            flops = positions * (gram["A"] + gram["G"])
-            out.patch_bytes += fbytes * positions * da
+            # A over the positions kfac.position_stride samples, in kfac.gram_dtype
+            sampled = batch * sampled_positions(out_shape[1:], cfg.position_stride) / s
+            flops = sampled * gram["A"] + positions * gram["G"]
+            out.patch_bytes += torch.finfo(cfg.product_dtype(fdt)).bits // 8 * sampled * da
         elif layer.kind == "convT":  # both over input positions (adjoint view)
             positions = batch * math.prod(in_shape[1:]) / s
             flops = positions * (gram["A"] + gram["G"])

@@ -19,6 +19,7 @@ data groups like the gradients' own. Factors travel as upper triangles (half the
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -29,24 +30,27 @@ from parallel.kfac.layers import Layer
 from parallel.kfac.lowrank import sketch_rows
 
 
+@functools.lru_cache(maxsize=256)
 def _triu(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    idx = torch.triu_indices(n, n, device=device)
-    return idx[0], idx[1]
+    """Flat indices of the upper triangle of an n x n matrix, row by row, and of its mirror
+    (kept: every factor update packs and unpacks the same widths)."""
+    r, c = torch.triu_indices(n, n, device=device)
+    return r * n + c, c * n + r
 
 
 def pack(m: torch.Tensor) -> torch.Tensor:
     """The upper triangle of the symmetric ``m``, row by row."""
-    r, c = _triu(m.shape[0], m.device)
-    return m[r, c]
+    upper, _ = _triu(m.shape[0], m.device)
+    return m.reshape(-1).index_select(0, upper)
 
 
 def unpack(v: torch.Tensor, n: int) -> torch.Tensor:
     """The symmetric n x n matrix whose upper triangle is ``v``."""
-    r, c = _triu(n, v.device)
-    m = v.new_zeros(n, n)
-    m[r, c] = v
-    m[c, r] = v
-    return m
+    upper, lower = _triu(n, v.device)
+    m = v.new_empty(n * n)
+    m.index_copy_(0, lower, v)
+    m.index_copy_(0, upper, v)
+    return m.view(n, n)
 
 
 def packed_size(n: int) -> int:

@@ -29,6 +29,7 @@ from parallel.kfac.factors import packed_size, reduce_factors, unpack
 from parallel.kfac import local, lowrank, state
 from parallel.kfac.inverse import EIGH_FLOPS_PER_DIM3, Eigen, Item, eigen, precondition, spread
 from parallel.kfac.lowrank import NYSTROM_FLOPS_PER_DM2, Blocked, Structured, nystrom, omega, sketch_width
+from parallel.kfac.subsample import Staleness, relative_change
 from parallel.kfac.layers import Layer, find_layers, serial_type
 from parallel.kfac.local import LocalBlocked
 from parallel.model.parallel_module import ParallelModule
@@ -75,6 +76,7 @@ class KFAC(torch.optim.SGD):
         self.factor_dtype, self.inverse_dtype = self.cfg.dtypes(wide)
         self._structure_wide_factors(skipped)
         self.steps = 0
+        self.staleness = Staleness.of(self.cfg)  # the factor interval (``kfac.stale_tol``)
         self.factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.eigen: dict[str, tuple[Eigen | Structured, Eigen | Structured]] = {}
         self.cores: dict[str, torch.Tensor] = {}
@@ -133,13 +135,14 @@ class KFAC(torch.optim.SGD):
     def report(self) -> dict[str, Any]:
         """What the run's summary shows of K-FAC (``state.report``): the layers, the low-rank
         factors' widths, ranks (as set and as kept at the last inverse update), memory per
-        rank and a hierarchical A's diagonal blocks on this rank."""
-        return state.report(self.layers, self.eigen, self.cfg, self.factor_dtype, self.inverse_dtype)
+        rank, a hierarchical A's diagonal blocks on this rank, and the factors' staleness."""
+        out = state.report(self.layers, self.eigen, self.cfg, self.factor_dtype, self.inverse_dtype)
+        return {**out, "staleness": self.staleness.report()}
 
     # -- the schedule of the work --------------------------------------------------------
     def captures(self, step: int) -> bool:
-        """Whether optimiser step ``step`` (from 0) updates the factors."""
-        return step % self.cfg.factor_interval == 0
+        """Whether optimiser step ``step`` (from 0) updates the factors (``subsample.Staleness``)."""
+        return self.staleness.captures(step)
 
     def decomposes(self, step: int) -> bool:
         return step % self.cfg.inverse_interval == 0
@@ -222,7 +225,7 @@ class KFAC(torch.optim.SGD):
         if self.grad_scaler is not None and self.grad_scaler.is_enabled():
             scale = float(self.grad_scaler.get_scale())
         new = reduce_factors(self.layers, self.factor_dtype, self.grid, scale)
-        decay = self.cfg.factor_decay
+        decay, before = self.cfg.factor_decay, dict(self.factors)
         for layer, fresh in zip(self.layers, new):
             if fresh is None:
                 continue
@@ -230,6 +233,7 @@ class KFAC(torch.optim.SGD):
             # Out of place: a state_dict taken earlier keeps its values.
             self.factors[layer.key] = fresh if old is None else (
                 old[0] * decay + fresh[0] * (1 - decay), old[1] * decay + fresh[1] * (1 - decay))
+        self.staleness.observe(self.steps, relative_change(before, self.factors))
 
     def update_eigen(self) -> None:
         """Eigendecompose every dense factor and approximate every low-rank one, spread over
@@ -342,12 +346,13 @@ class KFAC(torch.optim.SGD):
         ``lG``; a low-rank factor (say A) is its running sketch and diagonal ``A`` (d, m + 1)
         and its form ``UA``, ``lA``, ``dA``. Plain tensors and ints, the same on every rank
         and at every grid: diagonal blocks held by their owners (``parallel.kfac.local``) are
-        gathered over the spatial group, so every rank calls this where a layer holds them."""
+        gathered over the spatial group, so every rank calls this where a layer holds them;
+        ``staleness``: the factor interval."""
         sd = super().state_dict()
         by_key = {layer.key: layer for layer in self.layers}
         layers = {key: state.entry(by_key[key], a, g, self.eigen.get(key), self.grid)
                   for key, (a, g) in self.factors.items()}
-        sd["kfac"] = {"steps": self.steps, "layers": layers}
+        sd["kfac"] = {"steps": self.steps, "layers": layers, "staleness": self.staleness.state()}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -356,6 +361,7 @@ class KFAC(torch.optim.SGD):
         kf = state_dict.get("kfac")
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "kfac"})
         self.factors, self.eigen, self.cores, self.pending = {}, {}, {}, {}
+        self.staleness.load(None if kf is None else kf.get("staleness"))
         if kf is None:
             log.warning("kfac: the optimiser state has no K-FAC part (an SGD checkpoint?): factors start afresh")
             self.steps = 0

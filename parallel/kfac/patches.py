@@ -78,8 +78,13 @@ def patch_count(x: torch.Tensor, kernel: Sequence[int], stride: Sequence[int], d
 
 
 def patch_gram(x: torch.Tensor, kernel: Sequence[int], stride: Sequence[int], dilation: Sequence[int],
-               bias: bool, dtype: torch.dtype, chunk_bytes: float) -> tuple[torch.Tensor, int]:
+               bias: bool, dtype: torch.dtype, chunk_bytes: float, product_dtype: torch.dtype | None = None
+               ) -> tuple[torch.Tensor, int]:
     """``sum over patches of a a^T`` (a = patch, then 1 if ``bias``) and the number of patches.
+
+    ``product_dtype`` (default ``dtype``): the precision the patches are copied out and
+    multiplied in (bfloat16 or float16 for speed); each slab's product is added into the
+    ``dtype`` sum, and the bias row's patch sums are taken in ``dtype``.
 
     Rows of ``a`` are ordered (channel, kd, kh, kw), as ``weight.view(out, -1)`` orders them.
     The slabs (``patch_slabs``) come laid out (offset, channel) x positions; the product's
@@ -89,10 +94,10 @@ def patch_gram(x: torch.Tensor, kernel: Sequence[int], stride: Sequence[int], di
     c, k, count = patch_count(x, kernel, stride, dilation)
     dim = c * k
     gram = torch.zeros(dim + int(bias), dim + int(bias), dtype=dtype, device=x.device)
-    for rows in patch_slabs(x, kernel, stride, dilation, dtype, chunk_bytes):
+    for rows in patch_slabs(x, kernel, stride, dilation, product_dtype or dtype, chunk_bytes):
         gram[:dim, :dim] += (rows @ rows.t()).view(k, c, k, c).permute(1, 0, 3, 2).reshape(dim, dim)
         if bias:
-            sums = rows.sum(1).view(k, c).t().reshape(dim)
+            sums = rows.sum(1, dtype=dtype).view(k, c).t().reshape(dim)
             gram[:dim, dim] += sums
             gram[dim, :dim] += sums
     if bias:

@@ -131,3 +131,17 @@ def test_hierarchical_blocks_on_their_ranks_at_full_rank_equal_dense_kfac(pools)
     kw = kfac_cases.settings(max_factor_dim=192, rank=1000, oversample=0, flat_blocks=[2, 2, 1])
     results = pools.run(4, kfac_cases.check_steps, 2, kw, spatial=(2, 2, 1), timeout=300)
     assert len(results[0]["layers"]) == 7 and results[0]["moved"] > 1e-3 and results[0]["sharded"] == ["11.weight"]
+
+
+def test_cheap_factor_updates_equal_serial(pools):
+    # A convolution's A from the output positions at global multiples of 3 (blocks start at
+    # 4 and at 2: not multiples), and the factor interval lengthened from the measured change
+    # (1 -> 2 -> 4: updates at steps 0, 1, 2, none at 3): the serial run's choices, at 2x2x1.
+    kw = kfac_cases.settings(position_stride=3, inverse_interval=4, stale_tol=10.0)
+    serial = kfac_cases.low_rank_serial(4, kw)
+    assert serial["staleness"]["interval"] == 4 and serial["staleness"]["updates"] == 3
+    for r in pools.run(4, kfac_cases.check_low_rank_steps, 4, kw, serial, spatial=(2, 2, 1), timeout=300):
+        assert r["worst"] <= kfac_cases.RTOL
+        got, want = r["staleness"]["history"], serial["staleness"]["history"]
+        assert [(s, i) for s, _, i in got] == [(s, i) for s, _, i in want] == [(1, 2), (2, 4)]
+        assert max(abs(a[1] - b[1]) for a, b in zip(got, want)) < 1e-12

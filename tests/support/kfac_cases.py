@@ -267,7 +267,7 @@ def low_rank_serial(steps: int, kw: dict[str, Any], seed: int = 0) -> dict[str, 
     for x, y in _batches(steps, seed + 1):
         nus.append(_parallel_step(serial, opt, None, x, y))
         weights.append([p.detach().clone() for p in serial.parameters()])
-    return {"weights": weights, "nus": nus, "low_rank": opt.report()["low_rank"]}
+    return {"weights": weights, "nus": nus, "low_rank": opt.report()["low_rank"], "staleness": opt.report()["staleness"]}
 
 
 def check_low_rank_steps(grid: Any, steps: int, kw: dict[str, Any], serial: dict[str, Any], seed: int = 0
@@ -296,7 +296,8 @@ def _low_rank_steps(grid: Any, model: nn.Module, pmodel: nn.Module, opt: KFAC, s
                 raise AssertionError(f"low rank, step {t}: parameter {name}: max |grid - serial| / max |serial| = "
                                      f"{err:.3e} > {RTOL:g}")
             worst = max(worst, err)
-    return {"low_rank": opt.report()["low_rank"], "worst": worst,
+    report = opt.report()
+    return {"low_rank": report["low_rank"], "worst": worst, "staleness": report["staleness"],
             "sharded": [n for n, p in model.named_parameters() if getattr(p, "spatial_shard", False)]}
 
 

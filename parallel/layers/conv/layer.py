@@ -66,8 +66,9 @@ class SpatialConv3d(SpatialMixin, nn.Conv3d):
     path_chosen: str | None = None
     """The path the last forward took, for reports."""
     window_hook: Callable[..., Any] | None = None
-    """``hook(layer, window, pads)``: the input window the kernel convolves (halos fetched,
-    padding materialised along split dims) and the padding it still applies; set by
+    """``hook(layer, window, pads, dims)``: the input window the kernel convolves (halos fetched,
+    padding materialised along split dims), the padding it still applies and the global
+    input's (D, H, W); set by
     ``parallel.kfac``, whose factors need the patches the convolution really reads. The
     shell path never forms the window, so a hooked layer takes the window path."""
 
@@ -162,12 +163,12 @@ class SpatialConv3d(SpatialMixin, nn.Conv3d):
         return ShellConv.apply(x, w, b, shell, (self.stride, self.dilation, self.groups), overlap)
 
     def _window(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, pads: tuple[int, ...],
-                plans: list[ExchangePlan | None]) -> torch.Tensor:
+                plans: list[ExchangePlan | None], dims: tuple[int, int, int] | None = None) -> torch.Tensor:
         for axis, plan in enumerate(plans):
             if plan is not None:
                 x = fetch(x, axis + 2, plan, 0.0, own_grad=True)  # only the convolution reads the window
         if self.window_hook is not None:
-            self.window_hook(self, x, pads)
+            self.window_hook(self, x, pads, dims)
         return conv3d(x, w, b, self.stride, pads, self.dilation, self.groups)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -177,7 +178,7 @@ class SpatialConv3d(SpatialMixin, nn.Conv3d):
         if self.path_chosen == "shell":
             assert shell is not None
             return self._shell(x, self.weight, self.bias, shell, overlap)
-        return self._window(x, self.weight, self.bias, pads, plans)
+        return self._window(x, self.weight, self.bias, pads, plans, dims)
 
 
 class SpatialConvTranspose3d(SpatialMixin, nn.ConvTranspose3d):
