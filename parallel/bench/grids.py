@@ -285,7 +285,7 @@ def memory(args: argparse.Namespace) -> Rows:
             t0 = time.perf_counter()
             ranks = run_ranks(world, peak_memory, args.model, (args.size,) * 3, args.set, args.batch, recompute,
                               _overlap(args.overlap), spatial=spatial, device=dev.parse(args.device).type,
-                              timeout=MEMORY_TIMEOUT_S)
+                              timeout=MEMORY_TIMEOUT_S, start="spawn")
             above = max(r["above_baseline"] for r in ranks)
             if world == 1:
                 serial[recompute] = above
@@ -346,7 +346,7 @@ def _api_memory(args: argparse.Namespace) -> Rows:
         t0 = time.perf_counter()
         ranks = run_ranks(world, api_peak_memory, args.model, (args.size,) * 3, args.set, args.batch,
                           args.input_shape, args.channels_last, warm, spatial=spatial,
-                          device=dev.parse(args.device).type, timeout=MEMORY_TIMEOUT_S)
+                          device=dev.parse(args.device).type, timeout=MEMORY_TIMEOUT_S, start="spawn")
         row: dict[str, Any] = {"kind": "memory_api", "model": args.model, "size": args.size, "spatial": spatial,
                                "warmup_subtracted": warm}
         for key in ("peak_bytes", "forward_backward_growth_bytes", "parallelized_bytes", "model_and_batch_bytes",

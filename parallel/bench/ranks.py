@@ -3,6 +3,14 @@
 For benchmarks and calibration, not tests (``tests/support/harness.py`` keeps pools alive across
 cases): a fresh set of ranks per call, so each measurement starts from a clean process
 (peak memory, caches). A failing rank fails the call with its traceback.
+
+The ranks are forked from a fork server that imported torch once (``multiprocessing``'s
+``forkserver`` context, torch and ``torch._dynamo`` preloaded, no thread pool, CUDA or
+process group started in it): each call's processes are new, but they skip the ~2.5 CPU
+seconds every fresh interpreter spends importing torch, which a benchmark of several grids
+would pay again per grid. Memory measurements (``start="spawn"``: a forked rank's resident
+set would begin with the server's) and GPU ranks start from a fresh interpreter, as every
+rank does with ``SPATIALCNN_BENCH_START=spawn``.
 """
 
 from __future__ import annotations
@@ -46,17 +54,36 @@ def _worker(rank: int, world: int, port: int, threads: int, fn: Callable[..., An
         results.put((rank, False, traceback.format_exc()))
 
 
+_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "parallel.comm", "parallel.grid"]
+
+
+def _context(start: str) -> Any:
+    """The fork server with torch imported (once per process), or ``spawn`` where asked or
+    where there is no fork server (Windows)."""
+    if os.environ.get("SPATIALCNN_BENCH_START", "forkserver") not in ("forkserver", "spawn"):
+        raise ValueError(f"SPATIALCNN_BENCH_START={os.environ['SPATIALCNN_BENCH_START']!r}: expected forkserver "
+                         "or spawn")
+    if os.environ.get("SPATIALCNN_BENCH_START") == "spawn":
+        start = "spawn"
+    if start == "spawn" or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def run_ranks(world: int, fn: Callable[..., Any], *args: Any, spatial: Sequence[int] = (1, 1, 1),
-              threads: int = 1, timeout: float = 600.0, device: str = "cpu") -> list[Any]:
+              threads: int = 1, timeout: float = 600.0, device: str = "cpu", start: str = "forkserver") -> list[Any]:
     """``fn(grid, *args)`` on every rank of a fresh ``world``; results in rank order.
-    ``device="cuda"``: one GPU per rank over NCCL (the world may not exceed the GPUs)."""
+    ``device="cuda"``: one GPU per rank over NCCL (the world may not exceed the GPUs).
+    ``start``: ``forkserver`` (torch imported once, below) or ``spawn`` (a fresh interpreter per rank)."""
     if device == "cuda":
         import torch
 
         if torch.cuda.device_count() < world:
             raise RuntimeError(f"{getattr(fn, '__name__', fn)}: {world} ranks need {world} GPUs, "
                                f"{torch.cuda.device_count()} visible")
-    ctx = mp.get_context("spawn")
+    ctx = _context("spawn" if device == "cuda" else start)
     results = ctx.Queue()
     port = free_port("127.0.0.1")
     procs = [ctx.Process(target=_worker, args=(r, world, port, threads, fn, args, tuple(spatial), results, device),

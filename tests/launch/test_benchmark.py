@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -124,6 +125,22 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _ranks_of(pid: int) -> list[int]:
+    """The benchmark's rank processes: the children of its fork server (parallel.bench.ranks),
+    or its own ``spawn_main`` children where it spawned them."""
+    ranks = []
+    for c in _children(pid):
+        try:
+            cmd = Path(f"/proc/{c}/cmdline").read_text(errors="replace")
+        except OSError:
+            continue
+        if "forkserver" in cmd:
+            ranks += _children(c)
+        elif "spawn_main" in cmd:
+            ranks.append(c)
+    return ranks
+
+
 def test_sigterm_stops_the_spawned_ranks_too():
     import os
     import signal
@@ -135,9 +152,8 @@ def test_sigterm_stops_the_spawned_ranks_too():
     ranks: list[int] = []
     try:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and len(ranks) < 2:  # two ranks plus spawn's resource tracker
-            ranks = [c for c in _children(proc.pid)
-                     if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text(errors="replace")]
+        while time.monotonic() < deadline and len(ranks) < 2:
+            ranks = _ranks_of(proc.pid)
             time.sleep(0.2)
         assert len(ranks) == 2, "the ranks did not start"
         time.sleep(2)
@@ -235,3 +251,21 @@ def test_wall_draws_every_read_from_the_shared_bandwidth(tmp_path: Path):
     assert by["once"]["shared_bytes"] == dataset and by["stage"]["shared_bytes"] == 2 * dataset
     assert all(r["nodes"] == 2 and r["predicted_epoch_s"] > 0 for r in by.values())
     assert rows[-1]["highest_ranks"] == 2 and _is_png(tmp_path / "wall.png")
+
+
+def _who(grid: Any) -> tuple[int, int, bool]:
+    import os
+
+    return os.getpid(), grid.rank, "torch._dynamo" in sys.modules
+
+
+def test_run_ranks_forks_new_ranks_with_torch_loaded_and_spawns_where_asked():
+    # each call's ranks are new processes, forked from a server that imported torch once;
+    # start="spawn" (the memory measurements) gives fresh interpreters, torch not yet loaded
+    from parallel.bench.ranks import run_ranks
+
+    first, second = run_ranks(2, _who), run_ranks(2, _who)
+    assert [r[1] for r in first] == [0, 1] and all(r[2] for r in first + second)
+    assert len({r[0] for r in first + second}) == 4 and os.getpid() not in {r[0] for r in first}
+    spawned = run_ranks(1, _who, start="spawn")
+    assert not spawned[0][2]
