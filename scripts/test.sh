@@ -8,7 +8,7 @@
 #   TEST_WORKERS=0 bash scripts/test.sh  # one process (default 2: pytest-xdist, a file or the ranks tier per worker)
 #
 # Tiers are folders (tests/conftest.py sets the marker): tests/unit = pure logic and
-# single-process work on real files; tests/ranks = several gloo ranks of the spawned pool;
+# single-process work on real files; tests/ranks = several gloo ranks of the rank pool;
 # tests/launch = python -m, torchrun, mpirun, the scripts and a real Slurm on this machine.
 set -euo pipefail
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then

@@ -5,7 +5,7 @@ A test's tier is the folder it lives in (a pytest marker of the same name;
 
 - ``tests/unit``: pure logic and single-process work on real files, no spawned ranks; the
   whole tier runs in about a minute.
-- ``tests/ranks``: several gloo ranks of the spawned pool (``tests/support/harness.py``).
+- ``tests/ranks``: several gloo ranks of the rank pool (``tests/support/harness.py``).
 - ``tests/launch``: jobs of the entry points (``python -m cosmoflow.train`` ...) and real
   launches. Jobs that prove numbers (equivalence, cases, resume across grids, K-FAC,
   user models, predict, runs, schedules) run on the session's job pool
@@ -213,7 +213,7 @@ def pools():
 def _pools_idle_between_modules(request, pools):
     """After each module, the pools drop what they held for it (``Pools.idle``; a ``Pools``
     starts no process until its first use). The ranks tier runs on one worker, module after
-    module, and keeps its 8-rank world between them (spawning 8 ranks costs about 20 s of CPU
+    module, and keeps its 8-rank world between them (starting 8 ranks costs seconds of CPU
     on 2 cores); a module of another tier ends it first."""
     ranks = _where(request.node).split("/")[0] == "ranks"
     if not ranks:

@@ -1,7 +1,8 @@
 """Run a function on several real processes joined by gloo, and collect what each returns.
 
-A pool of ranks is spawned once per world size and reused by many test cases (spawning
-and importing torch costs seconds on a 2-core machine). A case is a module-level
+A pool of ranks is started once per world size and reused by many test cases (a fresh
+interpreter importing torch costs seconds on a 2-core machine; the ranks are forked from a
+server that imported it once: ``forkstart``). A case is a module-level
 function ``fn(grid, *args)``; every rank runs it with a ``Grid`` for the requested
 spatial split. A failure on any rank, or a case that outlasts its timeout, tears the
 pool down (so no rank is left waiting in a collective) and fails the test with every
@@ -14,7 +15,6 @@ A world larger than the GPUs present is skipped.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import pickle
 import queue
@@ -24,6 +24,7 @@ from collections import OrderedDict
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
+import forkstart
 from parallel.runtime.launch import free_port
 
 DEVICE = os.environ.get("SPATIALCNN_TEST_DEVICE", "cpu")
@@ -95,7 +96,7 @@ class RankPool:
     """``world`` spawned ranks with a gloo process group, waiting for cases."""
 
     def __init__(self, world: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = forkstart.context()
         self.world = world
         self.results = ctx.Queue()
         self.jobs = [ctx.Queue() for _ in range(world)]

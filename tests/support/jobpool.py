@@ -24,7 +24,6 @@ kill and respawn every worker, so no job sees another's leftovers.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import subprocess
@@ -34,6 +33,8 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any, Mapping, Sequence
+
+import forkstart
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
@@ -163,7 +164,7 @@ class JobPool:
         self.jobs_run = 0
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = forkstart.context()  # forked from a server that imported WARM once
         self.results = ctx.Queue()
         self.jobs = [ctx.Queue() for _ in range(self.size)]
         self.procs = [ctx.Process(target=_worker, args=(r, self.jobs[r], self.results, self.warm),
