@@ -1,7 +1,7 @@
 """``train.compile`` over a short training run: a compiled run ends with the eager run's
 weights. Compiled with ``aot_eager`` (Dynamo's capture and AOT autograd's graphs, without
 Inductor's C++ build, which takes minutes on a loaded 2-core machine); Inductor
-(``train.compile=true``) was checked by hand and measured: docs/performance.md."""
+(``train.compile=true``) was checked by hand and measured: docs/training.md ("Where a step's time goes")."""
 
 import json
 

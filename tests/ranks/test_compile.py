@@ -3,7 +3,7 @@ ranks, breaking its graph only at the exchanges; where it cannot run it is refus
 
 The tests compile with ``aot_eager`` (Dynamo's capture and AOT autograd's forward and backward
 graphs, without Inductor's C++ build, which takes minutes on a loaded 2-core machine);
-Inductor (``train.compile=true``) was checked by hand and measured: docs/performance.md.
+Inductor (``train.compile=true``) was checked by hand and measured: docs/training.md ("Where a step's time goes").
 (A compiled training run: tests/launch/test_compile_training.py.)"""
 
 import pytest
