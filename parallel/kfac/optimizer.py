@@ -29,7 +29,7 @@ from parallel.kfac.factors import packed_size, reduce_factors, unpack
 from parallel.kfac import local, lowrank, state
 from parallel.kfac.inverse import EIGH_FLOPS_PER_DIM3, Eigen, Item, eigen, precondition, spread
 from parallel.kfac.lowrank import NYSTROM_FLOPS_PER_DM2, Blocked, Structured, nystrom, omega, sketch_width
-from parallel.kfac.subsample import Staleness, relative_change
+from parallel.kfac.subsample import Staleness, own_spans, relative_change
 from parallel.kfac.layers import Layer, find_layers, serial_type
 from parallel.kfac.local import LocalBlocked
 from parallel.model.parallel_module import ParallelModule
@@ -233,7 +233,7 @@ class KFAC(torch.optim.SGD):
             # Out of place: a state_dict taken earlier keeps its values.
             self.factors[layer.key] = fresh if old is None else (
                 old[0] * decay + fresh[0] * (1 - decay), old[1] * decay + fresh[1] * (1 - decay))
-        self.staleness.observe(self.steps, relative_change(before, self.factors))
+        self.staleness.observe(self.steps, relative_change(before, self.factors, *own_spans(self.layers, self.grid)))
 
     def update_eigen(self) -> None:
         """Eigendecompose every dense factor and approximate every low-rank one, spread over

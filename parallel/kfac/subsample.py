@@ -36,10 +36,12 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
+from parallel import comm
+from parallel.kfac.factors import packed_size
 from parallel.layers.conv.layer import conv_pads
 from parallel.partition import block_bounds
 
@@ -94,18 +96,50 @@ def ladder(factor_interval: int, inverse_interval: int, cap: int) -> list[int]:
     return rungs or [factor_interval]
 
 
+def own_spans(layers: Sequence[Any], grid: Any) -> tuple[dict[str, tuple[int, int]], Any]:
+    """Per layer whose hierarchical A is held on its ranks (``Layer.own``), where its packed A
+    keeps this rank's own diagonal blocks (after the sketch; the bias' block, which every rank
+    holds, excluded), and the group those spans are summed over (the spatial group; None when
+    no layer has one)."""
+    spans = {}
+    for layer in layers:
+        if layer.own is not None:
+            start = layer.dim_a * (layer.omega.shape[1] + 1)
+            leaves = layer.leaves[:len(layer.leaves) - layer.own.shared]
+            spans[layer.key] = (start, start + sum(packed_size(len(b)) for b in leaves))
+    return spans, (grid.spatial_group if spans else None)
+
+
 def relative_change(old: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                    new: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> float | None:
-    """``max over layers and sides of |new - old|_F / |new|_F`` (layers in both; None if none)."""
-    worst = None
+                    new: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                    own: Mapping[str, tuple[int, int]] | None = None, group: Any = None) -> float | None:
+    """``max over layers and sides of |new - old|_F / |new|_F`` (layers in both; None if none).
+
+    ``own``: per layer, the span of its packed A that holds this rank's own diagonal blocks
+    (a hierarchical A held on its ranks: ``parallel.kfac.local``); the squares of those spans
+    are summed over ``group`` (the spatial group; a collective), the rest of the factor being
+    the same on every rank, so every rank measures the serial run's change and decides alike."""
+    sums: list[list[torch.Tensor]] = []  # per factor: [|new - old|^2, |new|^2] of its shared part
+    owned: list[torch.Tensor] = []  # per factor: the same of its own span (A of an ``own`` layer), else 0
     for key, pair in new.items():
         before = old.get(key)
         if before is None:
             continue
-        for f, g in zip(pair, before):
-            scale = float(torch.linalg.vector_norm(f))
-            change = float(torch.linalg.vector_norm(f - g)) / scale if scale > 0 else 0.0
-            worst = change if worst is None else max(worst, change)
+        for side, (f, g) in enumerate(zip(pair, before)):
+            d = (f - g).reshape(-1).double()
+            f = f.reshape(-1).double()
+            lo, hi = (own or {}).get(key, (0, 0)) if side == 0 else (0, 0)
+            mine = torch.stack([d[lo:hi].square().sum(), f[lo:hi].square().sum()])
+            sums.append([d.square().sum() - mine[0], f.square().sum() - mine[1]])
+            owned.append(mine)
+    if not sums:
+        return None
+    totals = torch.stack([torch.stack(t) for t in sums])
+    if own:
+        totals = totals + comm.all_reduce_(torch.stack(owned), group, caller="kfac: the factors' change")
+    worst = 0.0
+    for d2, f2 in totals.tolist():
+        worst = max(worst, (d2 / f2) ** 0.5 if f2 > 0 else 0.0)
     return worst
 
 

@@ -145,3 +145,18 @@ def test_cheap_factor_updates_equal_serial(pools):
         got, want = r["staleness"]["history"], serial["staleness"]["history"]
         assert [(s, i) for s, _, i in got] == [(s, i) for s, _, i in want] == [(1, 2), (2, 4)]
         assert max(abs(a[1] - b[1]) for a, b in zip(got, want)) < 1e-12
+
+
+def test_staleness_of_blocks_held_on_their_ranks_is_the_serial_runs(pools):
+    # A hierarchical A with its diagonal blocks on their ranks (2x2x1: each rank its own, their
+    # running Grams differ rank by rank) and the factor interval moved by the measured change:
+    # the change is the serial run's on every rank (the own blocks' squares summed over the
+    # spatial group), so every rank moves the interval alike and the steps stay serial's
+    kw = {**FORMS["hierarchical"], "inverse_interval": 4, "stale_tol": 10.0}
+    serial = kfac_cases.low_rank_serial(4, kw)
+    assert [(s, i) for s, _, i in serial["staleness"]["history"]] == [(1, 2), (2, 4)]
+    for r in pools.run(4, kfac_cases.check_low_rank_steps, 4, kw, serial, spatial=(2, 2, 1), timeout=120):
+        assert r["worst"] <= kfac_cases.RTOL and r["sharded"] == ["11.weight"]
+        got, want = r["staleness"]["history"], serial["staleness"]["history"]
+        assert [(s, i) for s, _, i in got] == [(s, i) for s, _, i in want]
+        assert max(abs(a[1] - b[1]) for a, b in zip(got, want)) < 1e-12
