@@ -72,7 +72,11 @@ CASES = {
                                  # the third conv's A (217 wide) and the Flatten+Linear's (129) held
                                  # at rank 64 plus diagonal, the rest dense
                                  "optim.kfac.max_factor_dim=120", "optim.kfac.rank=64",
-                                 "train.grad_clip=0.5", "optim.weight_decay=0.01",
+                                 # the cheaper factor updates: the convolutions' A from the output
+                                 # positions at even global coordinates, the interval moved by the
+                                 # measured change (every rank must pick serial's positions and steps)
+                                 "optim.kfac.position_stride=2", "optim.kfac.stale_tol=0.5",
+                                 "train.grad_clip=0.2", "optim.weight_decay=0.01",
                                  "parallel.channels_last=true"]),
     "unet": ("unet3d", ["train.precision=fp64", "model.depth=2", "model.base_filters=4", "model.max_filters=8",
                         "data.crop=[16,16,16]", "data.oversampling=0.5",
@@ -190,6 +194,8 @@ def test_cosmoflow_kfac_equals_serial_in_float64(data, tmp_path):
         assert _summary(run)["clipped_steps"] == (2 if grid == "s2x2" else 4), grid
     assert torch.load(runs["s2x2"] / "checkpoints" / "last.pt", weights_only=True)["optimizer"]["kfac"]["steps"] == 4
     assert all(_summary(r)["channels_last"] is True for r in runs.values())  # K-FAC's factors from NDHWC activations
+    intervals = {grid: _summary(r)["kfac"]["staleness"]["interval"] for grid, r in runs.items()}
+    assert set(intervals.values()) == {intervals["serial"]}, intervals  # stale_tol moved it alike everywhere
     for run in runs.values():  # the low-rank factors in the summary (the same at every grid)
         wide = _summary(run)["kfac"]["low_rank"]
         assert {k: (v["width"], v["rank"]) for k, v in wide.items()} == {"features.6": (217, 64),
