@@ -3,6 +3,7 @@ keys no section declares; and the typed config a run was trained with (``load_jo
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,15 @@ def unknown_keys(cfg: Any, cls: type) -> list[str]:
                 out.extend(walk(node._get_node(key), schema._get_node(key), f"{name}."))
         return out
 
-    return walk(cfg, OmegaConf.structured(cls), "")
+    return walk(cfg, _schema(cls), "")
+
+
+@functools.lru_cache(maxsize=8)
+def _schema(cls: type) -> Any:
+    """``cls`` as an OmegaConf schema, built once per class (it is only read)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.structured(cls)
 
 
 def to_dataclass(cfg: Any, cls: type) -> Any:

@@ -35,6 +35,7 @@ from parallel.runtime.launch import env_rank
 __all__ = ["main", "register"]
 
 log = logging.getLogger("parallel.train")
+_STORED: dict[str, tuple[type, str | None]] = {}  # schema name -> (class, doc) stored with Hydra
 
 
 def register(family: Family, doc: str | None = None) -> str:
@@ -43,8 +44,10 @@ def register(family: Family, doc: str | None = None) -> str:
     from parallel.train.cli import hydra_conf
 
     name = f"{family.name}_schema"
-    ConfigStore.instance().store(name=name, node=family.config_class)
-    hydra_conf.register(family, doc)
+    if _STORED.get(name) != (family.config_class, doc):  # once per process (a job pool's worker runs many)
+        ConfigStore.instance().store(name=name, node=family.config_class)
+        hydra_conf.register(family, doc)
+        _STORED[name] = (family.config_class, doc)
     return name
 
 
