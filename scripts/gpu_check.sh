@@ -23,7 +23,9 @@ if [[ -z "${VIRTUAL_ENV:-}" && -x .venv/bin/python ]]; then
     # shellcheck disable=SC1091
     source .venv/bin/activate
 fi
-if ! python -c "import parallel" 2>/dev/null; then
+# installed? (found, not imported: importing would load torch, seconds before the check starts)
+if ! python -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in ('parallel', 'torch')))" \
+        2> /dev/null; then
     echo "gpu_check: the project is not installed here; run: bash scripts/setup.sh" >&2
     exit 2
 fi

@@ -100,7 +100,9 @@ if [[ "$DRY" == 0 ]]; then
         # shellcheck disable=SC1091
         source .venv/bin/activate
     fi
-    if ! python -c "import parallel, mlperf_logging, hydra" 2>/dev/null; then
+    # installed? (found, not imported: importing them would load torch, ~2 CPU-s a submission)
+    if ! python -c "import importlib.util as u, sys
+sys.exit(any(u.find_spec(m) is None for m in ('parallel', 'mlperf_logging', 'hydra', 'torch')))" 2>/dev/null; then
         # shellcheck source=scripts/setup.sh
         source scripts/setup.sh
     fi
