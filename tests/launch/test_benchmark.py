@@ -11,14 +11,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from bench_cli import benchmark as _benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(*args: str, timeout: float = 240) -> list[dict]:
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark.py"), *args], capture_output=True,
-                         text=True, timeout=timeout, check=True, cwd=ROOT)
-    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+def _run(*args: str) -> list[dict]:
+    proc = _benchmark(*args)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert rows and rows[-1]["kind"] == "summary"
     return rows
 
@@ -29,7 +30,7 @@ def test_step_measures_and_predicts_every_grid(tmp_path: Path):
     cal = tmp_path / "cal.json"
     rows = _run("step", "--models", "cosmoflow", "--size", "8", "--trials", "1", "--calibration", str(cal),
                 "--cosmoflow-set", "model.n_conv_blocks=2", "model.conv_filters=4", "--plot", str(tmp_path),
-                "--sync-world", "0", timeout=400)  # the 4-rank sync comparison: tests/ranks/test_noise_scale.py
+                "--sync-world", "0")  # the 4-rank sync comparison: tests/ranks/test_noise_scale.py
     assert rows[-1]["plot"] == str(tmp_path / "step.png") and _is_png(tmp_path / "step.png")
     step = rows[0]
     grids = {"serial", "spatial2", "data2", "spatial2_weak"}
@@ -89,8 +90,7 @@ def test_memory_from_outside_names_what_it_includes():
     assert all(r["warmup_subtracted"] is False for r in rows)
     assert rows[-1]["spatial_2x1x1_peak_with_one_time_costs_over_serial"] == rows[1]["peak_ratio_to_serial"] > 0
     assert "one-time runtime costs of the first step included" in rows[-1]["includes"]
-    refused = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark.py"), "memory", "--no-warmup"],
-                             capture_output=True, text=True, timeout=120, cwd=ROOT)
+    refused = _benchmark("memory", "--no-warmup")
     assert refused.returncode != 0 and "--no-warmup: only with --api" in refused.stderr
 
 
@@ -214,10 +214,9 @@ def test_peers_prints_the_project_and_block_rows_and_names_absent_peers():
     sys.path.insert(0, str(ROOT))
     from parallel.bench.peers import peer_status
 
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark.py"), "peers", "--cases",
-                          "conv-k3-s1-D-c2-n8,step-cosmoflow-D-n64", "--trials", "1", "--channels-last"],
-                         capture_output=True,
-                         text=True, timeout=240, check=True, cwd=ROOT)
+    out = _benchmark("peers", "--cases", "conv-k3-s1-D-c2-n8,step-cosmoflow-D-n64", "--trials", "1",
+                     "--channels-last")
+    assert out.returncode == 0, out.stderr[-4000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     row, step, summary = rows[0], rows[1], rows[-1]
     assert step["case"] == "step-cosmoflow-D-n64" and set(step["seconds"]) >= {"serial", "project", "floor"}

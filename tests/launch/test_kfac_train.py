@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from train_helpers import REPO, env, launch, max_rel_diff, prepare, weights
+from bench_cli import benchmark
+from train_helpers import launch, max_rel_diff, prepare, weights
 
 # Factors every 2 steps and eigendecompositions every 4, so that a resume lands between
 # updates of both; float64 factors keep the cross-grid comparison at summation rounding.
@@ -68,11 +67,10 @@ def test_kfac_stopped_at_one_grid_resumes_at_another(data, tmp_path):
 
 
 def test_benchmark_times_each_kind_of_kfac_step_against_sgd():
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark.py"), "step", "--optim", "kfac",
-                          "--models", "cosmoflow", "--size", "8", "--trials", "2", "--cosmoflow-set",
-                          "model.n_conv_blocks=2", "model.conv_filters=4", "--kfac", "factor_interval=2",
-                          "inverse_interval=4"], capture_output=True, text=True, timeout=400, check=True, cwd=REPO,
-                         env=env())
+    out = benchmark("step", "--optim", "kfac", "--models", "cosmoflow", "--size", "8", "--trials", "2",
+                    "--cosmoflow-set", "model.n_conv_blocks=2", "model.conv_filters=4", "--kfac",
+                    "factor_interval=2", "inverse_interval=4")
+    assert out.returncode == 0, out.stderr[-4000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     row, summary = rows[0], rows[-1]
     med = row["measured_median_s"]
