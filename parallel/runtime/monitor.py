@@ -109,7 +109,10 @@ class _Watch:
         """Block until at least one rank has ended; the ranks seen ended in this wake."""
         while True:
             ended = {r for r, p in self.pids.items() if _gone(p)}
-            events = [] if ended else self.poller.poll(None if self.entries else 20)
+            # the connections are read even when /proc already shows a rank gone: a killed rank
+            # closes its files (its connection) before it becomes a zombie, and a rank the
+            # launcher killed after it can finish exiting first on a busy node
+            events = self.poller.poll(0 if ended else None if self.entries else 20)
             for fd, _ in events:
                 if fd not in self.entries:
                     continue
