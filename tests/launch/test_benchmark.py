@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from bench_cli import benchmark as _benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
