@@ -112,7 +112,7 @@ class _Watch:
             # the connections are read even when /proc already shows a rank gone: a killed rank
             # closes its files (its connection) before it becomes a zombie, and a rank the
             # launcher killed after it can finish exiting first on a busy node
-            events = self.poller.poll(0 if ended else None if self.entries else 20)
+            events = self.poller.poll(0 if ended else (None if self.entries else 20))
             for fd, _ in events:
                 if fd not in self.entries:
                     continue

@@ -101,3 +101,36 @@ def test_ranks_that_end_with_their_note_are_not_reported(tmp_path):
     finally:
         _end(ranks, mon)
     assert mon.returncode == 0 and "died" not in err and "ended" not in err, err
+
+
+def _load_monitor():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("monitor_under_test", MONITOR)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_connection_closed_before_its_process_is_gone_is_seen_with_a_later_death(tmp_path):
+    """The order a busy node can show: the killed rank (1) has closed its files, its
+    connection, but is not yet a zombie, while a rank the launcher killed after it (2) has
+    already gone. Both are named in that wake, not only the one /proc shows gone."""
+    monitor = _load_monitor()
+    notes = str(tmp_path / "notes")
+    os.makedirs(notes)
+    procs = {r: subprocess.Popen(["sleep", "120"]) for r in (1, 2, 3)}
+    watch = monitor._Watch(notes, {r: p.pid for r, p in procs.items()})
+    try:
+        first, third = monitor.connect(notes, 1, timeout=10), monitor.connect(notes, 3, timeout=10)
+        third.close()  # rank 3 ends first: the wake in which rank 1's connection is read too
+        assert watch.wait() == [3]
+        watch.forget(3)
+        first.close()  # rank 1: its connection closed, its process still there
+        procs[2].kill()
+        procs[2].wait()  # rank 2: gone from /proc
+        assert watch.wait() == [1, 2]
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
