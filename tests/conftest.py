@@ -12,7 +12,9 @@ A test's tier is the folder it lives in (a pytest marker of the same name;
   (``tests/support/jobpool.py``: rank processes that imported torch once, each job given
   torchrun's variables, its argv, cwd and output; ``train_helpers.launch``/``python_m``);
   what is about the launcher or the process itself (torchrun, mpirun, Slurm, kills, exit
-  codes of dying ranks, scripts) starts real processes. Generated data sets are made once
+  codes of dying ranks, scripts) starts real processes; ``scripts/benchmark.py`` runs as
+  ``__main__`` in the test's process (``tests/support/bench_cli.py``), its ranks new
+  processes as ever, and only its SIGTERM test starts it for real. Generated data sets are made once
   per session and shared read-only (``train_helpers.prepare``; a test that changes files
   takes ``prepare_copy``).
 - ``tests/support``: the helpers (rank functions ``*_cases.py``, the pools, the Slurm

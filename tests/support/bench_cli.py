@@ -22,20 +22,19 @@ def benchmark(*args: str) -> subprocess.CompletedProcess:
     import signal
 
     out, err = io.StringIO(), io.StringIO()
-    saved = sys.argv, list(sys.path), os.getcwd(), signal.getsignal(signal.SIGTERM), sys.modules["__main__"]
+    argv, path, cwd, on_term = sys.argv, list(sys.path), os.getcwd(), signal.getsignal(signal.SIGTERM)
     sys.argv = [str(ROOT / "scripts" / "benchmark.py"), *args]
     code: object = None
     try:
         os.chdir(ROOT)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            runpy.run_path(sys.argv[0], run_name="__main__")
+            runpy.run_path(sys.argv[0], run_name="__main__")  # runpy puts __main__ back itself
     except SystemExit as exc:
         code = exc.code
-    finally:
-        sys.argv, sys.path[:] = saved[0], saved[1]
-        os.chdir(saved[2])
-        signal.signal(signal.SIGTERM, saved[3])
-        sys.modules["__main__"] = saved[4]
+    finally:  # what the script changes in its process: argv, sys.path, the directory, its SIGTERM handler
+        sys.argv, sys.path[:] = argv, path
+        os.chdir(cwd)
+        signal.signal(signal.SIGTERM, on_term)
     if code is not None and not isinstance(code, int):  # sys.exit("message"): what python prints, status 1
         err.write(f"{code}\n")
         code = 1
