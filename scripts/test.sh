@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up (scripts/setup.sh) if needed, then run the test suite on CPU with gloo.
 #
-#   bash scripts/test.sh               # the whole suite (898 tests: 550 s from a fresh clone on 2 cores; up to ~1.4x on a slow host)
+#   bash scripts/test.sh               # the whole suite (899 tests: 500-570 s from a fresh clone on 2 cores; up to ~1.4x on a slow host)
 #   bash scripts/test.sh -m unit       # one tier: unit (under a minute), ranks or launch
 #   bash scripts/test.sh -m "not slow" # leave out the longest launches (about half the time)
 #   bash scripts/test.sh -k halo       # extra arguments go to pytest
